@@ -1,0 +1,326 @@
+// The host-side KV block manager: which physical cache block holds which token.
+//
+// A pool of `num_blocks` physical blocks of `block_size` tokens each (plus an optional
+// CPU pool for swapped-out sequences). Sequences grow token by token; each token gets a
+// slot `block * block_size + offset` in the paged KV cache. The manager produces what the
+// kernels read: block tables, sequence lengths, slot mappings, and for chunked prefill
+// query_start_loc / context_lens (the names used by vLLM's attention metadata).
+//
+// Sequence model
+//   Every sequence has `num_tokens` tokens, each with a slot, and a cursor `num_computed`:
+//   tokens [0, num_computed) have their K/V written in the cache, tokens
+//   [num_computed, num_tokens) are waiting for a step. add_sequence() sets the cursor to
+//   the number of tokens found in the prefix cache, append_tokens() adds tokens after it,
+//   and step() schedules a query range per sequence (advancing the cursor) and writes the
+//   step's metadata. A decode step is step() with one new token per sequence.
+//
+// Copy-on-write
+//   fork() makes the child share all of the parent's blocks (reference counts). The first
+//   append into a shared, partly filled last block moves the appender onto a fresh block
+//   and queues a (src, dst) copy; take_copy_pairs() (or step()) hands the queue out for
+//   copy_blocks, which must run before the next forward pass. A block with reference
+//   count > 1 never receives a slot: every slot handed out lies in a block owned by
+//   exactly one sequence.
+//
+// Prefix caching (optional)
+//   Once all tokens of a full block are computed, the block is registered under a chained
+//   128-bit hash of (previous block's hash, the block's token ids, the sequence's extra
+//   key). add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
+//   blocks, so at least one prompt token is always left to compute). A hit is accepted
+//   only when the stored token ids and extra key are equal and the stored 128-bit chain
+//   hash of the previous block matches, so a false hit needs a 128-bit collision between
+//   two different prefixes (probability below N^2 / 2^129 for N cached blocks). When a
+//   block is registered under a hash that is already present, the newer block wins and
+//   the older one is unregistered. Blocks of freed sequences that are registered stay
+//   reusable in an LRU set and are evicted only when a block is needed and the free list
+//   is empty; a sequence's blocks enter the LRU set last block first, so a prefix
+//   outlives its tails.
+//
+// Capacity and failures
+//   Allocation takes from the free list, then evicts the least recently used cached block.
+//   add_sequence() and swap_in() keep `watermark * num_blocks` blocks available; appends
+//   may use them. Every mutating call validates and counts what it needs before changing
+//   anything: when it throws, the manager is exactly as before the call.
+//
+// Swapping
+//   swap_out() moves sequences to the CPU pool and returns the (gpu_block, cpu_block)
+//   pairs for swap_blocks; swap_in() moves them back and returns (cpu_block, gpu_block)
+//   pairs. Blocks shared among the sequences of one call are moved once. Execute each
+//   returned mapping before the next forward pass and in the order the calls were made;
+//   swap_out()/swap_in() refuse while copy-on-write pairs are pending. Preemption by
+//   recomputation is free() followed by add_sequence() with the tokens so far.
+//
+// Sliding window (optional, not with prefix caching)
+//   With `sliding_window = W`, step() releases blocks whose tokens are all older than
+//   every position a query of this or any later step can attend to (key positions
+//   p - W + 1 .. p). Released positions read back as -1 from block_table() and as the pad
+//   value in exported tables.
+//
+// Thread safety: none. A BlockManager must not be used from two threads at once (not even
+// const queries, which use internal scratch buffers); use one manager per thread or an
+// external lock. From Python every call holds the GIL, which serializes calls on standard
+// (GIL) CPython builds.
+//
+// Dimension legend: S = number of sequences in a batch, M = block-table width,
+// T = number of tokens scheduled in a step, P = number of block pairs.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pagedattn/errors.hpp"
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn {
+
+// Not enough blocks (GPU pool, CPU pool, or the watermark) for a request. Python: OutOfBlocksError.
+struct OutOfBlocks : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A sequence id that the manager does not hold (never added, or already freed). Python: KeyError.
+struct UnknownSequence : std::out_of_range {
+  using std::out_of_range::out_of_range;
+};
+
+struct BlockManagerOptions {
+  std::int64_t num_blocks = 0;        // GPU pool size, in blocks (at most 2^31 - 1)
+  std::int64_t block_size = 16;       // tokens per block
+  bool enable_prefix_caching = false;
+  std::int64_t num_cpu_blocks = 0;    // CPU pool for swap_out / swap_in; 0 = no swapping
+  double watermark = 0.0;             // share of num_blocks kept available at admission, in [0, 1)
+  std::int64_t sliding_window = 0;    // tokens; 0 = off
+};
+
+struct PrefixCacheStats {
+  std::int64_t queried_tokens = 0;  // prompt tokens looked up by add_sequence()
+  std::int64_t hit_tokens = 0;      // of those, found in the cache
+  std::int64_t evictions = 0;       // cached blocks evicted to serve an allocation
+  double hit_rate() const { return queried_tokens ? double(hit_tokens) / double(queried_tokens) : 0.0; }
+};
+
+// What step() schedules. Pointers are not owned; ids must be distinct.
+struct StepRequest {
+  const std::int64_t* seq_ids = nullptr;     // [S]
+  std::int64_t num_seqs = 0;
+  const std::int32_t* new_tokens = nullptr;  // [S] one token appended to each sequence first, or null
+  const std::int64_t* query_lens = nullptr;  // [S] tokens to schedule per sequence; null = all not yet computed
+};
+
+// Sizes of a step's outputs (returned by plan_step() before anything changes).
+struct StepShape {
+  std::int64_t num_seqs = 0;
+  std::int64_t num_tokens = 0;     // T = sum of query lengths
+  std::int64_t max_blocks = 0;     // widest block table in the batch
+  std::int64_t max_seq_len = 0;
+  std::int64_t max_query_len = 0;
+};
+
+// Where step() writes. Any output may be null (not written). Host memory, any strides.
+struct StepOutputs {
+  const TensorView* block_tables = nullptr;     // int32 [S, M], M >= StepShape::max_blocks; padded with pad
+  const TensorView* seq_lens = nullptr;         // int32 [S]   context + query length
+  const TensorView* context_lens = nullptr;     // int32 [S]   tokens computed before this step
+  const TensorView* query_start_loc = nullptr;  // int32 [S+1] exclusive prefix sum of query lengths
+  const TensorView* slot_mapping = nullptr;     // int64 or int32 [T] slot of every scheduled token
+  std::int32_t pad = 0;                         // fills unused and released block-table entries
+};
+
+class BlockManager {
+ public:
+  using BlockPairs = std::vector<std::pair<std::int32_t, std::int32_t>>;
+
+  explicit BlockManager(const BlockManagerOptions& options);
+
+  const BlockManagerOptions& options() const { return opt_; }
+  std::int64_t block_size() const { return bs_; }
+  std::int64_t num_blocks() const { return opt_.num_blocks; }
+  std::int64_t num_cpu_blocks() const { return opt_.num_cpu_blocks; }
+  std::int64_t watermark_blocks() const { return watermark_blocks_; }
+
+  // ---- sequences ---------------------------------------------------------------------
+  // Adds a sequence with its prompt tokens [n] and allocates all of its blocks. Returns the
+  // number of leading tokens found in the prefix cache (already computed; 0 without caching).
+  // Throws InvalidArgument (duplicate id), OutOfBlocks.
+  std::int64_t add_sequence(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
+                            std::uint64_t extra_key = 0);
+  // Appends tokens [n] to a sequence; writes their slots to slots_out [n] (may be null).
+  // Throws UnknownSequence, InvalidArgument (swapped out), OutOfBlocks.
+  void append_tokens(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
+                     std::int64_t* slots_out);
+  // Appends tokens[i] to seq_ids[i] for i < n (ids distinct), all or nothing; slots_out [n] may be null.
+  void append_tokens_batch(const std::int64_t* seq_ids, std::int64_t n, const std::int32_t* tokens,
+                           std::int64_t* slots_out);
+  // The child shares all of the parent's blocks. The parent must have no uncomputed tokens.
+  void fork(std::int64_t parent_id, std::int64_t child_id);
+  // Releases a sequence (GPU or swapped out). Throws UnknownSequence (also on a double free).
+  void free(std::int64_t seq_id);
+
+  // ---- steps -------------------------------------------------------------------------
+  // Validates a step request and returns its output sizes without changing anything.
+  StepShape plan_step(const StepRequest& req) const;
+  // Appends req.new_tokens (if any), schedules the query ranges (advancing num_computed,
+  // registering completed blocks in the prefix cache, releasing blocks that left the
+  // sliding window) and writes the outputs. All or nothing. Returns the step's shape.
+  StepShape step(const StepRequest& req, const StepOutputs& out);
+  // Moves the pending copy-on-write (src, dst) pairs into `pairs` (appended) and clears them.
+  void take_copy_pairs(BlockPairs& pairs);
+  std::int64_t num_pending_copies() const { return static_cast<std::int64_t>(copies_.size()); }
+
+  // ---- preemption --------------------------------------------------------------------
+  // Moves the sequences to the CPU pool; appends (gpu_block, cpu_block) pairs to `pairs`.
+  void swap_out(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs);
+  // Moves swapped-out sequences back; appends (cpu_block, gpu_block) pairs to `pairs`.
+  void swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs);
+
+  // ---- capacity ----------------------------------------------------------------------
+  // Whether add_sequence() would succeed for these tokens (tokens may be null: no cache hits counted).
+  bool can_allocate(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
+  // Whether appending num_tokens tokens to the sequence would succeed.
+  bool can_append(std::int64_t seq_id, std::int64_t num_tokens = 1) const;
+  // Whether a step appending one token to each of the (distinct) sequences would succeed.
+  bool can_append_batch(const std::int64_t* seq_ids, std::int64_t n) const;
+  bool can_swap_out(const std::int64_t* seq_ids, std::int64_t n) const;
+  bool can_swap_in(const std::int64_t* seq_ids, std::int64_t n) const;
+  // Blocks a sequence of n tokens occupies.
+  std::int64_t blocks_for(std::int64_t n) const { return (n + bs_ - 1) / bs_; }
+
+  // ---- export ------------------------------------------------------------------------
+  // Writes the block tables of the sequences into int32 [S, M] (M >= their widest table),
+  // padding with pad. Swapped-out sequences are rejected.
+  void export_block_tables(const std::int64_t* seq_ids, std::int64_t n, const TensorView& out,
+                           std::int32_t pad = 0) const;
+  // Writes num_tokens of each sequence into int32 [S].
+  void export_seq_lens(const std::int64_t* seq_ids, std::int64_t n, const TensorView& out) const;
+  // Total block-table entries of the sequences (the CSR `indices` length).
+  std::int64_t count_blocks(const std::int64_t* seq_ids, std::int64_t n) const;
+  // CSR page table: indptr int32 [S+1], indices int32 [count_blocks], last_page_len int32 [S]
+  // (tokens in each sequence's last block, 0 for an empty sequence).
+  void export_csr(const std::int64_t* seq_ids, std::int64_t n, const TensorView& indptr,
+                  const TensorView& indices, const TensorView& last_page_len, std::int32_t pad = 0) const;
+  // Slots of tokens [start, stop) of a sequence, written to out [stop - start].
+  void slots(std::int64_t seq_id, std::int64_t start, std::int64_t stop, std::int64_t* out) const;
+
+  // ---- introspection -----------------------------------------------------------------
+  std::int64_t num_free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
+  std::int64_t num_cached_blocks() const { return lru_size_; }  // evictable: registered, held by none
+  std::int64_t num_used_blocks() const { return opt_.num_blocks - num_free_blocks() - lru_size_; }
+  std::int64_t num_available_blocks() const { return num_free_blocks() + lru_size_; }
+  std::int64_t num_free_cpu_blocks() const { return static_cast<std::int64_t>(cpu_free_.size()); }
+  std::int64_t num_sequences() const { return num_live_; }
+  bool has_sequence(std::int64_t seq_id) const { return find(seq_id) >= 0; }
+  std::vector<std::int64_t> sequence_ids() const;  // in insertion-slot order
+  const std::vector<std::int32_t>& block_table(std::int64_t seq_id) const;  // -1 = released
+  const std::vector<std::int32_t>& token_ids(std::int64_t seq_id) const;
+  std::int64_t seq_len(std::int64_t seq_id) const;
+  std::int64_t num_computed(std::int64_t seq_id) const;
+  bool is_swapped(std::int64_t seq_id) const;
+  std::int32_t ref_count(std::int64_t block) const;      // GPU block
+  std::int32_t cpu_ref_count(std::int64_t block) const;  // CPU block
+  bool is_cached(std::int64_t block) const;  // registered in the prefix cache (in use or evictable)
+  const PrefixCacheStats& prefix_cache_stats() const { return stats_; }
+  void reset_prefix_cache_stats() { stats_ = PrefixCacheStats{}; }
+  // Checks every internal invariant (reference counts against tables, free/LRU/map
+  // consistency, slot uniqueness); throws std::logic_error on the first violation. O(pool + tokens).
+  void check_invariants() const;
+
+ private:
+  struct Hash128 {
+    std::uint64_t lo = 0, hi = 0;
+    bool operator==(const Hash128& o) const { return lo == o.lo && hi == o.hi; }
+  };
+  struct Seq {
+    std::int64_t id = 0;
+    bool live = false;
+    bool swapped = false;
+    std::int64_t num_computed = 0;
+    std::uint64_t extra_key = 0;
+    std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
+    std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
+    std::vector<std::int32_t> tokens;
+    std::vector<Hash128> hashes;        // chain hashes of blocks [0, hashes.size()) (caching only)
+  };
+  // Open-addressing map int64 -> int32 (linear probing, backward-shift deletion).
+  class IdMap {
+   public:
+    std::int32_t find(std::uint64_t key) const;
+    void insert(std::uint64_t key, std::int32_t value);  // key must be absent
+    void erase(std::uint64_t key);                       // key must be present
+    std::int64_t size() const { return size_; }
+
+   private:
+    void grow();
+    std::vector<std::uint64_t> keys_;
+    std::vector<std::int32_t> vals_;  // -1 = empty
+    std::int64_t size_ = 0;
+    std::uint64_t mask_ = 0;
+  };
+
+  std::int32_t find(std::int64_t seq_id) const;
+  std::int32_t lookup(std::int64_t seq_id, const char* what) const;  // throws UnknownSequence
+  Seq& live_gpu_seq(std::int64_t seq_id, const char* what);
+  const Seq& live_gpu_seq(std::int64_t seq_id, const char* what) const;
+  void resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what, bool want_swapped) const;
+  std::int32_t new_slot_index();
+  std::int32_t take_block();
+  void release_block(std::int32_t b);
+  void lru_push_back(std::int32_t b);
+  void lru_remove(std::int32_t b);
+  void uncache(std::int32_t b);
+  void register_full_blocks(Seq& s);
+  void release_window(Seq& s, std::int64_t first_query_pos);
+  std::int64_t append_demand(const Seq& s, std::int64_t n) const;
+  void append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out);
+  std::int64_t count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
+                                 std::int64_t* from_lru, std::vector<Hash128>* hashes,
+                                 std::vector<std::int32_t>* blocks) const;
+  std::int64_t batch_append_demand() const;  // over scratch_idx_, one token each
+  std::int64_t distinct_blocks_of_scratch(bool cpu) const;
+  Hash128 hash_block(const Hash128& prev, std::uint64_t extra, const std::int32_t* tokens) const;
+  std::int32_t find_cached(const Hash128& h) const;
+  bool verify_cached(std::int32_t b, const Hash128& prev, std::uint64_t extra,
+                     const std::int32_t* tokens) const;
+
+  BlockManagerOptions opt_;
+  std::int64_t bs_ = 16;
+  std::int64_t watermark_blocks_ = 0;
+  bool caching_ = false;
+
+  // GPU pool.
+  std::vector<std::int32_t> ref_;
+  std::vector<std::int32_t> free_;  // stack; back() is taken next
+  // Prefix cache (sized only when caching is on).
+  std::vector<std::uint8_t> cached_;
+  std::vector<Hash128> bhash_;
+  std::vector<Hash128> bparent_;  // chain hash of the previous block when registered
+  std::vector<std::uint64_t> bextra_;
+  std::vector<std::int32_t> btokens_;  // [num_blocks * block_size]
+  std::vector<std::int32_t> lru_prev_, lru_next_;  // intrusive list; index num_blocks = sentinel
+  std::int64_t lru_size_ = 0;
+  IdMap cache_map_;  // hash.lo -> block (collisions on lo resolved by newest-wins + full verify)
+  PrefixCacheStats stats_;
+
+  // CPU pool.
+  std::vector<std::int32_t> cpu_ref_;
+  std::vector<std::int32_t> cpu_free_;
+
+  // Sequences.
+  std::vector<Seq> seqs_;
+  std::vector<std::int32_t> free_seq_slots_;
+  IdMap seq_map_;
+  std::int64_t num_live_ = 0;
+
+  BlockPairs copies_;  // pending copy-on-write pairs
+
+  // Scratch (no allocation in steady state).
+  mutable std::vector<std::int32_t> scratch_idx_;
+  mutable std::vector<std::uint32_t> seq_stamp_;  // per seq slot, for duplicate detection
+  mutable std::uint32_t stamp_ = 0;
+  mutable std::vector<std::int32_t> block_mark_;  // per GPU/CPU block, for swap dedupe / demand
+  mutable std::vector<std::uint32_t> block_stamp_;
+  mutable std::vector<std::int32_t> touched_;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,9 @@
+// Umbrella header of the pagedattn C++ core.
+#pragma once
+
+#include "pagedattn/attention.hpp"
+#include "pagedattn/errors.hpp"
+#include "pagedattn/params.hpp"
+#include "pagedattn/supported.hpp"
+#include "pagedattn/tensor.hpp"
+#include "pagedattn/version.hpp"

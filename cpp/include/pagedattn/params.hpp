@@ -1,0 +1,86 @@
+// Plain parameter structs handed from the validated front end to a backend (CPU or
+// CUDA). Everything in them has been checked; backends trust them.
+//
+// Dimension legend used in the shape comments:
+//   S = num_seqs, H = num_heads, K = num_kv_heads, D = head_size, B = block_size,
+//   N = num_blocks, M = max_blocks_per_seq, T = num_tokens, x = 16 / sizeof(cache element).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pagedattn/supported.hpp"
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn {
+
+struct DecodeParams {
+  void* out = nullptr;              // [S, H, D], dtype; last dim contiguous
+  std::int64_t o_stride_seq = 0;    // elements
+  std::int64_t o_stride_head = 0;
+  const void* query = nullptr;      // [S, H, D], dtype; last dim contiguous
+  std::int64_t q_stride_seq = 0;
+  std::int64_t q_stride_head = 0;
+  const void* key_cache = nullptr;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]; contiguous
+  const void* value_cache = nullptr;  // vllm [N, K, D, B]      | nhd [N, B, K, D]; contiguous
+  const std::int32_t* block_tables = nullptr;  // [S, M], contiguous
+  const std::int32_t* seq_lens = nullptr;      // [S]
+  const float* alibi_slopes = nullptr;         // [H] or null
+
+  int num_seqs = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_size = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  std::int64_t num_blocks = 0;
+
+  float scale = 1.0f;    // softmax scale applied to q.k
+  float k_scale = 1.0f;  // fp8 caches: real key = stored * k_scale
+  float v_scale = 1.0f;
+
+  DType dtype = DType::kFloat32;  // query, output, and (kAuto) cache element type
+  KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
+  CacheLayout layout = CacheLayout::kVLLM;
+
+  // Backend hints (CUDA): 0 = choose, 1 = single pass, 2 = partitioned + reduce.
+  int version = 0;
+  int partition_size = 0;       // tokens per partition for v2; 0 = default
+  void* workspace = nullptr;    // caller-provided device scratch for v2, or null
+  std::size_t workspace_bytes = 0;
+  bool check_block_tables = false;  // CUDA: report out-of-range block ids as an error
+  int device_id = 0;
+};
+
+struct CacheWriteParams {
+  const void* key = nullptr;    // [T, K, D], dtype; last dim contiguous
+  std::int64_t k_stride_tok = 0;
+  std::int64_t k_stride_head = 0;
+  const void* value = nullptr;  // [T, K, D], dtype; last dim contiguous
+  std::int64_t v_stride_tok = 0;
+  std::int64_t v_stride_head = 0;
+  void* key_cache = nullptr;    // as in DecodeParams
+  void* value_cache = nullptr;
+  const void* slot_mapping = nullptr;  // [T], int32 or int64; negative = padding, skipped
+  bool slot_mapping_int64 = false;
+
+  std::int64_t num_tokens = 0;
+  int num_kv_heads = 0;
+  int head_size = 0;
+  int block_size = 0;
+  std::int64_t num_blocks = 0;
+
+  float k_scale = 1.0f;  // fp8 caches: stored = real / k_scale
+  float v_scale = 1.0f;
+  DType dtype = DType::kFloat32;  // key / value element type
+  KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
+  CacheLayout layout = CacheLayout::kVLLM;
+  int device_id = 0;
+};
+
+// Element size in bytes of the cache given the input dtype and the cache dtype.
+inline std::size_t cache_elem_size(DType dtype, KVCacheDType kv) noexcept {
+  return kv == KVCacheDType::kAuto ? dtype_size(dtype) : 1;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,59 @@
+// What pagedattn supports: the one list that dispatch, validation, errors, docs and
+// tests all read. Change a list here and everything else follows.
+#pragma once
+
+#include <array>
+#include <string>
+
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn {
+
+// How the paged KV cache is laid out in memory; told apart by the rank of key_cache.
+enum class CacheLayout : std::uint8_t {
+  kVLLM,  // key [num_blocks, num_kv_heads, head_size/x, block_size, x], x = 16 / elem size
+          // value [num_blocks, num_kv_heads, head_size, block_size]
+  kNHD,   // key and value [num_blocks, block_size, num_kv_heads, head_size]
+};
+
+// Element type stored in the KV cache. kAuto: the same dtype as the query / new keys.
+// The fp8 kinds store one byte per element (uint8 arrays) with a per-tensor scale:
+// real value = fp8 value * scale.
+enum class KVCacheDType : std::uint8_t { kAuto, kFp8E4M3, kFp8E5M2 };
+
+const char* layout_name(CacheLayout l) noexcept;
+const char* kv_cache_dtype_name(KVCacheDType k) noexcept;
+// Parses "vllm" / "nhd"; throws InvalidArgument naming `arg` otherwise.
+CacheLayout parse_layout(const std::string& s, const char* arg = "layout");
+// Parses "auto" / "fp8_e4m3" (alias "fp8") / "fp8_e5m2"; throws InvalidArgument otherwise.
+KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg = "kv_cache_dtype");
+
+namespace supported {
+
+// Floating dtypes of query, key, value and (with kv_cache_dtype "auto") the caches.
+inline constexpr std::array<DType, 3> kDTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+inline constexpr std::array<KVCacheDType, 3> kKVCacheDTypes = {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3,
+                                                               KVCacheDType::kFp8E5M2};
+
+// CPU: any head size and block size the layout allows, up to these bounds.
+inline constexpr int kCpuMaxHeadSize = 1024;
+inline constexpr int kCpuMaxBlockSize = 1024;
+
+// CUDA: head sizes with a specialised kernel; other multiples of kCudaHeadSizeAlign up to
+// kCudaMaxHeadSize run through the generic path.
+inline constexpr std::array<int, 7> kCudaHeadSizes = {64, 80, 96, 112, 128, 192, 256};
+inline constexpr int kCudaHeadSizeAlign = 8;
+inline constexpr int kCudaMaxHeadSize = 256;
+// CUDA: block sizes with a specialised kernel; others are refused with a clear error.
+inline constexpr std::array<int, 3> kCudaBlockSizes = {8, 16, 32};
+
+bool is_dtype(DType t) noexcept;
+bool is_cuda_head_size(int head_size) noexcept;   // specialised or generic
+bool is_cuda_block_size(int block_size) noexcept;
+// "float32, float16, bfloat16" etc., for error messages and docs.
+std::string dtypes_str();
+std::string cuda_head_sizes_str();
+std::string cuda_block_sizes_str();
+
+}  // namespace supported
+}  // namespace pagedattn

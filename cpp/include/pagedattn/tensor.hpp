@@ -1,0 +1,97 @@
+// A small non-owning view of a strided array, the only array type the core sees.
+//
+// The core never allocates or frees the arrays it is handed and never includes a
+// framework header. Python arrays reach it through DLPack (see the bindings);
+// C++ callers build a TensorView directly or convert a DLPack DLTensor with
+// from_dlpack().
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "pagedattn/errors.hpp"
+
+namespace pagedattn {
+
+enum class DType : std::uint8_t {
+  kFloat32,
+  kFloat16,
+  kBFloat16,
+  kFloat64,
+  kInt32,
+  kInt64,
+  kUInt8,  // storage of fp8 KV caches
+  kUInt16,
+  kOther,
+};
+
+enum class DeviceKind : std::uint8_t { kCPU, kCUDA, kCUDAHost, kOther };
+
+const char* dtype_name(DType t) noexcept;
+std::size_t dtype_size(DType t) noexcept;
+const char* device_name(DeviceKind d) noexcept;
+// Parses a dtype name: "float32", "float16", "bfloat16", "float64", "int32", "int64",
+// "uint8", "uint16"; fp8 storage names ("fp8", "fp8_e4m3", "fp8_e5m2", "float8_e4m3fn",
+// "float8_e5m2") map to uint8. Throws InvalidArgument naming `arg` otherwise.
+DType parse_dtype(const std::string& name, const char* arg = "dtype");
+
+struct TensorView {
+  static constexpr int kMaxDims = 8;
+
+  void* data = nullptr;
+  DType dtype = DType::kOther;
+  DeviceKind device = DeviceKind::kCPU;
+  int device_id = 0;
+  int ndim = 0;
+  std::array<std::int64_t, kMaxDims> shape{};
+  std::array<std::int64_t, kMaxDims> strides{};  // in elements, not bytes
+
+  std::int64_t size(int d) const { return shape[static_cast<std::size_t>(d < 0 ? d + ndim : d)]; }
+  std::int64_t stride(int d) const { return strides[static_cast<std::size_t>(d < 0 ? d + ndim : d)]; }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[static_cast<std::size_t>(i)];
+    return n;
+  }
+  bool is_contiguous() const;  // C order; size-1 dimensions may carry any stride
+  std::string shape_str() const;  // "[2, 3, 4]"
+  template <class T>
+  T* ptr() const { return static_cast<T*>(data); }
+};
+
+// Builds a view over contiguous memory (C order).
+TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                     DeviceKind device = DeviceKind::kCPU, int device_id = 0);
+
+namespace detail {
+DType dtype_from_dlpack(std::uint8_t code, std::uint8_t bits, std::uint16_t lanes);
+DeviceKind device_from_dlpack(int device_type);
+}  // namespace detail
+
+// Converts any struct laid out like DLPack's DLTensor (data, device, ndim, dtype,
+// shape, strides, byte_offset). A template so the core needs no DLPack header:
+// pass a `DLTensor` from <dlpack/dlpack.h> and it just works.
+template <class DLTensorLike>
+TensorView from_dlpack(const DLTensorLike& t) {
+  TensorView v;
+  if (t.ndim < 0 || t.ndim > TensorView::kMaxDims)
+    fail<InvalidArgument>("from_dlpack: ndim ", t.ndim, " is outside [0, ", TensorView::kMaxDims, "]");
+  v.ndim = t.ndim;
+  v.dtype = detail::dtype_from_dlpack(static_cast<std::uint8_t>(t.dtype.code),
+                                      static_cast<std::uint8_t>(t.dtype.bits),
+                                      static_cast<std::uint16_t>(t.dtype.lanes));
+  v.device = detail::device_from_dlpack(static_cast<int>(t.device.device_type));
+  v.device_id = static_cast<int>(t.device.device_id);
+  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  std::int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    v.shape[static_cast<std::size_t>(i)] = t.shape[i];
+    v.strides[static_cast<std::size_t>(i)] = t.strides ? t.strides[i] : expected;
+    expected *= t.shape[i];
+  }
+  return v;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,12 @@
+// The CPU backend: same semantics as the CUDA kernels, used for host arrays and as the
+// reference the CUDA backend is tested against.
+#pragma once
+
+#include "pagedattn/params.hpp"
+
+namespace pagedattn::cpu {
+
+void paged_attention(const DecodeParams& p);
+void reshape_and_cache(const CacheWriteParams& p);
+
+}  // namespace pagedattn::cpu

@@ -1,0 +1,61 @@
+// CPU reshape_and_cache: scatter new keys and values into their cache slots.
+#include <cstring>
+#include <vector>
+
+#include "cpu_backend.hpp"
+#include "cpu_elements.hpp"
+#include "thread_pool.hpp"
+
+namespace pagedattn::cpu {
+
+void reshape_and_cache(const CacheWriteParams& p) {
+  const int K = p.num_kv_heads, D = p.head_size, B = p.block_size;
+  const auto elem = static_cast<std::int64_t>(dtype_size(p.dtype));
+  const auto ce = static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype));
+  const int x = static_cast<int>(16 / ce);
+  const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
+
+  parallel_for(p.num_tokens, [&](std::int64_t t) {
+    const std::int64_t slot = p.slot_mapping_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
+                                                   : static_cast<const std::int32_t*>(p.slot_mapping)[t];
+    if (slot < 0) return;  // padding
+    const std::int64_t block = slot / B;
+    const int off = static_cast<int>(slot % B);
+    thread_local std::vector<float> row;
+    thread_local std::vector<unsigned char> packed;
+    row.resize(static_cast<std::size_t>(D));
+    packed.resize(static_cast<std::size_t>(D) * static_cast<std::size_t>(ce));
+    for (int h = 0; h < K; ++h) {
+      for (int which = 0; which < 2; ++which) {
+        const bool is_value = which == 1;
+        const char* src = static_cast<const char*>(is_value ? p.value : p.key) +
+                          (t * (is_value ? p.v_stride_tok : p.k_stride_tok) +
+                           h * (is_value ? p.v_stride_head : p.k_stride_head)) *
+                              elem;
+        char* cache = static_cast<char*>(is_value ? p.value_cache : p.key_cache);
+        // Convert the row once into the cache's element type (a no-op copy when equal).
+        const void* packed_row = src;
+        if (fp8) {
+          load_row(src, p.dtype, KVCacheDType::kAuto, 1.0f, D, row.data());
+          store_row(row.data(), p.dtype, p.kv_cache_dtype, is_value ? p.v_scale : p.k_scale, D, packed.data());
+          packed_row = packed.data();
+        }
+        const auto* pr = static_cast<const char*>(packed_row);
+        if (p.layout == CacheLayout::kNHD) {
+          std::memcpy(cache + (((block * B + off) * K + h) * D) * ce, pr, static_cast<std::size_t>(D * ce));
+        } else if (!is_value) {  // [N, K, D/x, B, x]
+          char* base = cache + ((block * K + h) * static_cast<std::int64_t>(D) * B) * ce;
+          for (int c = 0; c < D / x; ++c)
+            std::memcpy(base + ((static_cast<std::int64_t>(c) * B + off) * x) * ce, pr + c * x * ce,
+                        static_cast<std::size_t>(x * ce));
+        } else {  // [N, K, D, B]
+          char* base = cache + ((block * K + h) * static_cast<std::int64_t>(D) * B) * ce;
+          for (int d = 0; d < D; ++d)
+            std::memcpy(base + (static_cast<std::int64_t>(d) * B + off) * ce, pr + d * ce, static_cast<std::size_t>(ce));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace pagedattn::cpu

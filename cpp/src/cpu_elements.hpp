@@ -1,0 +1,72 @@
+// Element load/store helpers of the CPU backend: every storage type is read into and
+// written from float32.
+#pragma once
+
+#include <cstdint>
+
+#include "numeric.hpp"
+#include "pagedattn/params.hpp"
+
+namespace pagedattn::cpu {
+
+// Reads n elements of the given storage type starting at src into dst (as float),
+// multiplied by `scale` (1 for non-fp8 types).
+inline void load_row(const void* src, DType dtype, KVCacheDType kv, float scale, int n, float* dst) {
+  if (kv == KVCacheDType::kFp8E4M3 || kv == KVCacheDType::kFp8E5M2) {
+    const float* table = kv == KVCacheDType::kFp8E4M3 ? numeric::fp8_e4m3_table() : numeric::fp8_e5m2_table();
+    const auto* s = static_cast<const std::uint8_t*>(src);
+    for (int i = 0; i < n; ++i) dst[i] = table[s[i]] * scale;
+    return;
+  }
+  switch (dtype) {
+    case DType::kFloat32: {
+      const auto* s = static_cast<const float*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = s[i];
+      return;
+    }
+    case DType::kFloat16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = numeric::half_to_float(s[i]);
+      return;
+    }
+    case DType::kBFloat16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = numeric::bf16_to_float(s[i]);
+      return;
+    }
+    default:
+      fail<NotSupported>("CPU backend: unsupported element dtype ", dtype_name(dtype));
+  }
+}
+
+// Writes n floats from src into dst in the given storage type (fp8: divided by scale).
+inline void store_row(const float* src, DType dtype, KVCacheDType kv, float scale, int n, void* dst) {
+  if (kv == KVCacheDType::kFp8E4M3 || kv == KVCacheDType::kFp8E5M2) {
+    const numeric::Fp8Format& f = kv == KVCacheDType::kFp8E4M3 ? numeric::kE4M3 : numeric::kE5M2;
+    auto* d = static_cast<std::uint8_t*>(dst);
+    const float inv = 1.0f / scale;
+    for (int i = 0; i < n; ++i) d[i] = numeric::float_to_fp8(src[i] * inv, f);
+    return;
+  }
+  switch (dtype) {
+    case DType::kFloat32: {
+      auto* d = static_cast<float*>(dst);
+      for (int i = 0; i < n; ++i) d[i] = src[i];
+      return;
+    }
+    case DType::kFloat16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (int i = 0; i < n; ++i) d[i] = numeric::float_to_half(src[i]);
+      return;
+    }
+    case DType::kBFloat16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (int i = 0; i < n; ++i) d[i] = numeric::float_to_bf16(src[i]);
+      return;
+    }
+    default:
+      fail<NotSupported>("CPU backend: unsupported element dtype ", dtype_name(dtype));
+  }
+}
+
+}  // namespace pagedattn::cpu

@@ -1,0 +1,74 @@
+#include "pagedattn/supported.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+namespace pagedattn {
+
+const char* layout_name(CacheLayout l) noexcept {
+  switch (l) {
+    case CacheLayout::kVLLM: return "vllm";
+    case CacheLayout::kNHD: return "nhd";
+  }
+  return "unknown";
+}
+
+const char* kv_cache_dtype_name(KVCacheDType k) noexcept {
+  switch (k) {
+    case KVCacheDType::kAuto: return "auto";
+    case KVCacheDType::kFp8E4M3: return "fp8_e4m3";
+    case KVCacheDType::kFp8E5M2: return "fp8_e5m2";
+  }
+  return "unknown";
+}
+
+CacheLayout parse_layout(const std::string& s, const char* arg) {
+  if (s == "vllm") return CacheLayout::kVLLM;
+  if (s == "nhd") return CacheLayout::kNHD;
+  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"vllm\" or \"nhd\"");
+}
+
+KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg) {
+  if (s == "auto") return KVCacheDType::kAuto;
+  if (s == "fp8" || s == "fp8_e4m3") return KVCacheDType::kFp8E4M3;
+  if (s == "fp8_e5m2") return KVCacheDType::kFp8E5M2;
+  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"auto\", \"fp8_e4m3\" (or \"fp8\") or \"fp8_e5m2\"");
+}
+
+namespace supported {
+namespace {
+template <class Container, class F>
+std::string join(const Container& c, F&& f) {
+  std::ostringstream os;
+  bool first = true;
+  for (const auto& v : c) {
+    os << (first ? "" : ", ") << f(v);
+    first = false;
+  }
+  return os.str();
+}
+}  // namespace
+
+bool is_dtype(DType t) noexcept { return std::find(kDTypes.begin(), kDTypes.end(), t) != kDTypes.end(); }
+
+bool is_cuda_head_size(int head_size) noexcept {
+  return head_size > 0 && head_size <= kCudaMaxHeadSize && head_size % kCudaHeadSizeAlign == 0;
+}
+
+bool is_cuda_block_size(int block_size) noexcept {
+  return std::find(kCudaBlockSizes.begin(), kCudaBlockSizes.end(), block_size) != kCudaBlockSizes.end();
+}
+
+std::string dtypes_str() {
+  return join(kDTypes, [](DType t) { return dtype_name(t); });
+}
+std::string cuda_head_sizes_str() {
+  return join(kCudaHeadSizes, [](int v) { return v; }) + " (specialised) and other multiples of " +
+         std::to_string(kCudaHeadSizeAlign) + " up to " + std::to_string(kCudaMaxHeadSize);
+}
+std::string cuda_block_sizes_str() {
+  return join(kCudaBlockSizes, [](int v) { return v; });
+}
+
+}  // namespace supported
+}  // namespace pagedattn

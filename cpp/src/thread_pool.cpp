@@ -1,0 +1,115 @@
+#include "thread_pool.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pagedattn::cpu {
+namespace {
+
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+    for (auto& w : workers_) w.detach();  // the pool lives for the whole process
+  }
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  void run(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
+    std::lock_guard<std::mutex> call_lock(call_mutex_);
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      error_ = nullptr;
+      active_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(m_);
+    done_cv_.wait(lk, [this] { return active_ == 0; });
+    fn_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      const std::int64_t i = next_.fetch_add(1);
+      if (i >= n_) return;
+      try {
+        (*fn_)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(m_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(n_);  // stop handing out work
+      }
+    }
+  }
+
+  void worker_loop() {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      work();
+      {
+        std::lock_guard<std::mutex> lk(m_);
+        --active_;
+      }
+      done_cv_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex call_mutex_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::condition_variable done_cv_;
+  const std::function<void(std::int64_t)>* fn_ = nullptr;
+  std::int64_t n_ = 0;
+  std::atomic<std::int64_t> next_{0};
+  std::exception_ptr error_;
+  int active_ = 0;
+  std::uint64_t generation_ = 0;
+};
+
+int configured_threads() {
+  if (const char* env = std::getenv("PAGEDATTN_NUM_THREADS")) {
+    const int v = std::atoi(env);
+    if (v > 0) return std::min(v, 256);
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(std::min(hw, 256u));
+}
+
+Pool& pool() {
+  static Pool* p = new Pool(configured_threads());  // intentionally never destroyed
+  return *p;
+}
+
+}  // namespace
+
+int num_threads() { return pool().size(); }
+
+void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
+  if (n <= 0) return;
+  if (n == 1 || pool().size() == 1) {
+    for (std::int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  pool().run(n, fn);
+}
+
+}  // namespace pagedattn::cpu

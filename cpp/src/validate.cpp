@@ -1,0 +1,385 @@
+// The one validation pass: every argument of the public entry points is checked here
+// before anything is dispatched. Messages name the argument, what it got and what is
+// allowed.
+#include <cmath>
+#include <limits>
+
+#include "pagedattn/attention.hpp"
+#include "pagedattn/errors.hpp"
+
+namespace pagedattn {
+namespace {
+
+bool on_host(const TensorView& t) { return t.device == DeviceKind::kCPU || t.device == DeviceKind::kCUDAHost; }
+
+std::string where(const TensorView& t) {
+  if (t.device == DeviceKind::kCUDA) return detail::concat("cuda:", t.device_id);
+  return device_name(t.device);
+}
+
+// All arrays must live on one device: host memory (CPU or pinned) or one CUDA device.
+void check_same_device(const TensorView& ref, const char* ref_name, const TensorView& t, const char* name) {
+  if (t.device == DeviceKind::kOther)
+    fail<TypeMismatch>(name, ": arrays on this device type are not supported (expected cpu or cuda)");
+  const bool same = (on_host(ref) && on_host(t)) ||
+                    (ref.device == DeviceKind::kCUDA && t.device == DeviceKind::kCUDA && ref.device_id == t.device_id);
+  if (!same)
+    fail<InvalidArgument>(name, " is on ", where(t), " but ", ref_name, " is on ", where(ref),
+                          "; all arrays of one call must be on the same device");
+}
+
+void check_ndim(const TensorView& t, const char* name, int ndim, const char* dims) {
+  if (t.ndim != ndim)
+    fail<InvalidArgument>(name, ": expected ", ndim, " dimensions ", dims, ", got ", t.ndim, " (shape ", t.shape_str(),
+                          ")");
+}
+
+void check_dtype(const TensorView& t, const char* name, DType want) {
+  if (t.dtype != want)
+    fail<TypeMismatch>(name, ": expected dtype ", dtype_name(want), ", got ", dtype_name(t.dtype));
+}
+
+void check_float_dtype(const TensorView& t, const char* name) {
+  if (!supported::is_dtype(t.dtype))
+    fail<TypeMismatch>(name, ": dtype ", dtype_name(t.dtype), " is not supported; expected one of ",
+                       supported::dtypes_str());
+}
+
+void check_contiguous(const TensorView& t, const char* name) {
+  if (!t.is_contiguous())
+    fail<InvalidArgument>(name, ": must be C-contiguous (shape ", t.shape_str(), ")");
+}
+
+void check_last_dim_contiguous(const TensorView& t, const char* name) {
+  if (t.size(-1) > 1 && t.stride(-1) != 1)
+    fail<InvalidArgument>(name, ": the last dimension must be contiguous (stride 1), got stride ", t.stride(-1));
+}
+
+void check_dim(const TensorView& t, const char* name, int d, std::int64_t want, const char* what) {
+  if (t.size(d) != want)
+    fail<InvalidArgument>(name, ": dimension ", d, " (", what, ") must be ", want, ", got ", t.size(d), " (shape ",
+                          t.shape_str(), ")");
+}
+
+void check_positive_scale(float v, const char* name) {
+  if (!std::isfinite(v) || v <= 0.0f) fail<InvalidArgument>(name, ": must be a finite positive number, got ", v);
+}
+
+int to_int(std::int64_t v, const char* what) {
+  if (v > std::numeric_limits<int>::max())
+    fail<InvalidArgument>(what, " = ", v, " is too large (at most ", std::numeric_limits<int>::max(), ")");
+  return static_cast<int>(v);
+}
+
+// Geometry of a paged KV cache pair, read off the arrays.
+struct CacheGeometry {
+  CacheLayout layout;
+  std::int64_t num_blocks;
+  std::int64_t num_kv_heads;
+  std::int64_t head_size;
+  std::int64_t block_size;
+};
+
+CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_cache, DType dtype,
+                           KVCacheDType kv_dtype) {
+  const DType cache_dtype = kv_dtype == KVCacheDType::kAuto ? dtype : DType::kUInt8;
+  if (key_cache.dtype != cache_dtype || value_cache.dtype != cache_dtype) {
+    const TensorView& bad = key_cache.dtype != cache_dtype ? key_cache : value_cache;
+    const char* name = key_cache.dtype != cache_dtype ? "key_cache" : "value_cache";
+    if (kv_dtype == KVCacheDType::kAuto)
+      fail<TypeMismatch>(name, ": dtype ", dtype_name(bad.dtype), " does not match the query/key dtype ",
+                         dtype_name(dtype), " (with kv_cache_dtype=\"auto\" the caches share that dtype)");
+    fail<TypeMismatch>(name, ": with kv_cache_dtype=\"", kv_cache_dtype_name(kv_dtype),
+                       "\" the cache must be a uint8 array, got ", dtype_name(bad.dtype));
+  }
+  const std::int64_t x = 16 / static_cast<std::int64_t>(cache_elem_size(dtype, kv_dtype));
+  CacheGeometry g{};
+  if (key_cache.ndim == 5) {
+    g.layout = CacheLayout::kVLLM;
+    check_ndim(value_cache, "value_cache", 4, "[num_blocks, num_kv_heads, head_size, block_size] (layout \"vllm\")");
+    if (key_cache.size(4) != x)
+      fail<InvalidArgument>("key_cache: the last dimension of the \"vllm\" layout must be x = 16 / element size = ", x,
+                            ", got ", key_cache.size(4), " (shape ", key_cache.shape_str(), ")");
+    g.num_blocks = key_cache.size(0);
+    g.num_kv_heads = key_cache.size(1);
+    g.head_size = key_cache.size(2) * x;
+    g.block_size = key_cache.size(3);
+    check_dim(value_cache, "value_cache", 0, g.num_blocks, "num_blocks, as in key_cache");
+    check_dim(value_cache, "value_cache", 1, g.num_kv_heads, "num_kv_heads, as in key_cache");
+    check_dim(value_cache, "value_cache", 2, g.head_size, "head_size, as in key_cache");
+    check_dim(value_cache, "value_cache", 3, g.block_size, "block_size, as in key_cache");
+  } else if (key_cache.ndim == 4) {
+    g.layout = CacheLayout::kNHD;
+    check_ndim(value_cache, "value_cache", 4, "[num_blocks, block_size, num_kv_heads, head_size] (layout \"nhd\")");
+    g.num_blocks = key_cache.size(0);
+    g.block_size = key_cache.size(1);
+    g.num_kv_heads = key_cache.size(2);
+    g.head_size = key_cache.size(3);
+    for (int d = 0; d < 4; ++d)
+      if (value_cache.size(d) != key_cache.size(d))
+        fail<InvalidArgument>("value_cache: shape ", value_cache.shape_str(), " must equal key_cache's shape ",
+                              key_cache.shape_str(), " in the \"nhd\" layout");
+  } else {
+    fail<InvalidArgument>("key_cache: expected 5 dimensions (layout \"vllm\": [num_blocks, num_kv_heads, "
+                          "head_size/x, block_size, x]) or 4 (layout \"nhd\": [num_blocks, block_size, num_kv_heads, "
+                          "head_size]), got ",
+                          key_cache.ndim, " (shape ", key_cache.shape_str(), ")");
+  }
+  check_contiguous(key_cache, "key_cache");
+  check_contiguous(value_cache, "value_cache");
+  if (g.num_kv_heads <= 0) fail<InvalidArgument>("key_cache: num_kv_heads must be positive, got ", g.num_kv_heads);
+  if (g.block_size <= 0) fail<InvalidArgument>("key_cache: block_size must be positive, got ", g.block_size);
+  if (g.head_size <= 0) fail<InvalidArgument>("key_cache: head_size must be positive, got ", g.head_size);
+  return g;
+}
+
+void check_cuda_geometry(DType dtype, std::int64_t head_size, std::int64_t block_size) {
+  if (!built_with_cuda())
+    fail<NotSupported>("CUDA arrays are not supported by this build of pagedattn (built without CUDA); "
+                       "reinstall on a machine with nvcc, or pass host arrays");
+  (void)dtype;
+  if (!supported::is_cuda_head_size(static_cast<int>(head_size)))
+    fail<NotSupported>("head_size ", head_size, " is not supported on CUDA; supported: ",
+                       supported::cuda_head_sizes_str());
+  if (!supported::is_cuda_block_size(static_cast<int>(block_size)))
+    fail<NotSupported>("block_size ", block_size, " is not supported on CUDA; supported: ",
+                       supported::cuda_block_sizes_str());
+}
+
+void check_host_limits(std::int64_t head_size, std::int64_t block_size) {
+  if (head_size > supported::kCpuMaxHeadSize)
+    fail<NotSupported>("head_size ", head_size, " is larger than the CPU backend's limit ", supported::kCpuMaxHeadSize);
+  if (block_size > supported::kCpuMaxBlockSize)
+    fail<NotSupported>("block_size ", block_size, " is larger than the CPU backend's limit ",
+                       supported::kCpuMaxBlockSize);
+}
+
+}  // namespace
+
+DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                                const TensorView& value_cache, const TensorView& block_tables,
+                                const TensorView& seq_lens, const DecodeOptions& opt) {
+  if (query.device == DeviceKind::kOther)
+    fail<TypeMismatch>("query: arrays on this device type are not supported (expected cpu or cuda)");
+  check_same_device(query, "query", out, "out");
+  check_same_device(query, "query", key_cache, "key_cache");
+  check_same_device(query, "query", value_cache, "value_cache");
+  check_same_device(query, "query", block_tables, "block_tables");
+  check_same_device(query, "query", seq_lens, "seq_lens");
+  if (opt.alibi_slopes) check_same_device(query, "query", *opt.alibi_slopes, "alibi_slopes");
+
+  check_ndim(query, "query", 3, "[num_seqs, num_heads, head_size]");
+  check_float_dtype(query, "query");
+  check_last_dim_contiguous(query, "query");
+  const std::int64_t S = query.size(0), H = query.size(1), D = query.size(2);
+  if (H <= 0) fail<InvalidArgument>("query: num_heads must be positive, got ", H);
+  if (D <= 0) fail<InvalidArgument>("query: head_size must be positive, got ", D);
+
+  const CacheGeometry g = check_caches(key_cache, value_cache, query.dtype, opt.kv_cache_dtype);
+  if (g.head_size != D)
+    fail<InvalidArgument>("key_cache: head_size ", g.head_size, " does not match the query's head_size ", D);
+  if (H % g.num_kv_heads != 0)
+    fail<InvalidArgument>("query: num_heads ", H, " must be a multiple of the caches' num_kv_heads ", g.num_kv_heads);
+
+  check_ndim(block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
+  check_dtype(block_tables, "block_tables", DType::kInt32);
+  check_dim(block_tables, "block_tables", 0, S, "num_seqs, as in query");
+  check_contiguous(block_tables, "block_tables");
+  check_ndim(seq_lens, "seq_lens", 1, "[num_seqs]");
+  check_dtype(seq_lens, "seq_lens", DType::kInt32);
+  check_dim(seq_lens, "seq_lens", 0, S, "num_seqs, as in query");
+  check_contiguous(seq_lens, "seq_lens");
+
+  check_ndim(out, "out", 3, "[num_seqs, num_heads, head_size]");
+  if (out.dtype != query.dtype)
+    fail<TypeMismatch>("out: dtype ", dtype_name(out.dtype), " must equal the query's dtype ", dtype_name(query.dtype));
+  for (int d = 0; d < 3; ++d)
+    if (out.size(d) != query.size(d))
+      fail<InvalidArgument>("out: shape ", out.shape_str(), " must equal the query's shape ", query.shape_str());
+  check_last_dim_contiguous(out, "out");
+
+  if (opt.alibi_slopes) {
+    const TensorView& a = *opt.alibi_slopes;
+    check_ndim(a, "alibi_slopes", 1, "[num_heads]");
+    check_dtype(a, "alibi_slopes", DType::kFloat32);
+    check_dim(a, "alibi_slopes", 0, H, "num_heads");
+    check_contiguous(a, "alibi_slopes");
+  }
+  float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (opt.scale) {
+    scale = *opt.scale;
+    if (!std::isfinite(scale)) fail<InvalidArgument>("scale: must be finite, got ", scale);
+  }
+  if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
+    check_positive_scale(opt.k_scale, "k_scale");
+    check_positive_scale(opt.v_scale, "v_scale");
+  }
+  if (opt.version < 0 || opt.version > 2)
+    fail<InvalidArgument>("version: got ", opt.version, ", expected 0 (automatic), 1 or 2");
+  if (opt.partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", opt.partition_size);
+
+  DecodeParams p;
+  p.out = out.data;
+  p.o_stride_seq = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.query = query.data;
+  p.q_stride_seq = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.key_cache = key_cache.data;
+  p.value_cache = value_cache.data;
+  p.block_tables = block_tables.ptr<const std::int32_t>();
+  p.seq_lens = seq_lens.ptr<const std::int32_t>();
+  p.alibi_slopes = opt.alibi_slopes ? opt.alibi_slopes->ptr<const float>() : nullptr;
+  p.num_seqs = to_int(S, "num_seqs");
+  p.num_heads = to_int(H, "num_heads");
+  p.num_kv_heads = to_int(g.num_kv_heads, "num_kv_heads");
+  p.head_size = to_int(D, "head_size");
+  p.block_size = to_int(g.block_size, "block_size");
+  p.max_blocks_per_seq = to_int(block_tables.size(1), "max_blocks_per_seq");
+  p.num_blocks = g.num_blocks;
+  p.scale = scale;
+  p.k_scale = opt.k_scale;
+  p.v_scale = opt.v_scale;
+  p.dtype = query.dtype;
+  p.kv_cache_dtype = opt.kv_cache_dtype;
+  p.layout = g.layout;
+  p.version = opt.version;
+  p.partition_size = opt.partition_size;
+  p.check_block_tables = opt.check_block_tables;
+  p.device_id = query.device_id;
+
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * g.block_size;
+  if (query.device == DeviceKind::kCUDA) {
+    check_cuda_geometry(query.dtype, D, g.block_size);
+    if (opt.workspace) {
+      check_same_device(query, "query", *opt.workspace, "workspace");
+      check_contiguous(*opt.workspace, "workspace");
+      p.workspace = opt.workspace->data;
+      p.workspace_bytes = static_cast<std::size_t>(opt.workspace->numel()) * dtype_size(opt.workspace->dtype);
+    }
+  } else {
+    check_host_limits(D, g.block_size);
+    // On the host the index arrays can be read now: every length and every block id a
+    // sequence reaches is checked, so the kernel never reads outside the cache.
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t len = p.seq_lens[s];
+      if (len < 0 || len > max_len)
+        fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, max_blocks_per_seq * block_size = ", max_len,
+                         "]");
+      const std::int64_t nb = (len + g.block_size - 1) / g.block_size;
+      const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
+      for (std::int64_t b = 0; b < nb; ++b)
+        if (row[b] < 0 || row[b] >= g.num_blocks)
+          fail<OutOfRange>("block_tables[", s, ", ", b, "] = ", row[b], " is outside [0, num_blocks = ", g.num_blocks,
+                           ") (sequence ", s, " has length ", len, ")");
+    }
+  }
+  return p;
+}
+
+CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                                         const TensorView& value_cache, const TensorView& slot_mapping,
+                                         const CacheWriteOptions& opt) {
+  if (key.device == DeviceKind::kOther)
+    fail<TypeMismatch>("key: arrays on this device type are not supported (expected cpu or cuda)");
+  check_same_device(key, "key", value, "value");
+  check_same_device(key, "key", key_cache, "key_cache");
+  check_same_device(key, "key", value_cache, "value_cache");
+  check_same_device(key, "key", slot_mapping, "slot_mapping");
+
+  check_ndim(key, "key", 3, "[num_tokens, num_kv_heads, head_size]");
+  check_ndim(value, "value", 3, "[num_tokens, num_kv_heads, head_size]");
+  check_float_dtype(key, "key");
+  if (value.dtype != key.dtype)
+    fail<TypeMismatch>("value: dtype ", dtype_name(value.dtype), " must equal key's dtype ", dtype_name(key.dtype));
+  for (int d = 0; d < 3; ++d)
+    if (value.size(d) != key.size(d))
+      fail<InvalidArgument>("value: shape ", value.shape_str(), " must equal key's shape ", key.shape_str());
+  check_last_dim_contiguous(key, "key");
+  check_last_dim_contiguous(value, "value");
+  const std::int64_t T = key.size(0);
+
+  const CacheGeometry g = check_caches(key_cache, value_cache, key.dtype, opt.kv_cache_dtype);
+  if (key.size(1) != g.num_kv_heads)
+    fail<InvalidArgument>("key: num_kv_heads ", key.size(1), " does not match the caches' num_kv_heads ",
+                          g.num_kv_heads);
+  if (key.size(2) != g.head_size)
+    fail<InvalidArgument>("key: head_size ", key.size(2), " does not match the caches' head_size ", g.head_size);
+
+  check_ndim(slot_mapping, "slot_mapping", 1, "[num_tokens]");
+  if (slot_mapping.dtype != DType::kInt32 && slot_mapping.dtype != DType::kInt64)
+    fail<TypeMismatch>("slot_mapping: expected dtype int32 or int64, got ", dtype_name(slot_mapping.dtype));
+  check_dim(slot_mapping, "slot_mapping", 0, T, "num_tokens, as in key");
+  check_contiguous(slot_mapping, "slot_mapping");
+  if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
+    check_positive_scale(opt.k_scale, "k_scale");
+    check_positive_scale(opt.v_scale, "v_scale");
+  }
+
+  CacheWriteParams p;
+  p.key = key.data;
+  p.k_stride_tok = key.stride(0);
+  p.k_stride_head = key.stride(1);
+  p.value = value.data;
+  p.v_stride_tok = value.stride(0);
+  p.v_stride_head = value.stride(1);
+  p.key_cache = key_cache.data;
+  p.value_cache = value_cache.data;
+  p.slot_mapping = slot_mapping.data;
+  p.slot_mapping_int64 = slot_mapping.dtype == DType::kInt64;
+  p.num_tokens = T;
+  p.num_kv_heads = to_int(g.num_kv_heads, "num_kv_heads");
+  p.head_size = to_int(g.head_size, "head_size");
+  p.block_size = to_int(g.block_size, "block_size");
+  p.num_blocks = g.num_blocks;
+  p.k_scale = opt.k_scale;
+  p.v_scale = opt.v_scale;
+  p.dtype = key.dtype;
+  p.kv_cache_dtype = opt.kv_cache_dtype;
+  p.layout = g.layout;
+  p.device_id = key.device_id;
+
+  if (key.device == DeviceKind::kCUDA) {
+    check_cuda_geometry(key.dtype, g.head_size, g.block_size);
+  } else {
+    check_host_limits(g.head_size, g.block_size);
+    const std::int64_t num_slots = g.num_blocks * g.block_size;
+    for (std::int64_t t = 0; t < T; ++t) {
+      const std::int64_t s = p.slot_mapping_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
+                                                  : static_cast<const std::int32_t*>(p.slot_mapping)[t];
+      if (s >= num_slots)
+        fail<OutOfRange>("slot_mapping[", t, "] = ", s, " is outside [0, num_blocks * block_size = ", num_slots,
+                         ") (negative slots mark padding and are skipped)");
+    }
+  }
+  return p;
+}
+
+CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads,
+                           std::int64_t head_size, std::size_t elem_size, CacheLayout layout) {
+  if (num_blocks < 0) fail<InvalidArgument>("num_blocks: must be >= 0, got ", num_blocks);
+  if (block_size <= 0) fail<InvalidArgument>("block_size: must be positive, got ", block_size);
+  if (num_kv_heads <= 0) fail<InvalidArgument>("num_kv_heads: must be positive, got ", num_kv_heads);
+  if (head_size <= 0) fail<InvalidArgument>("head_size: must be positive, got ", head_size);
+  if (elem_size != 1 && elem_size != 2 && elem_size != 4)
+    fail<InvalidArgument>("dtype: element size ", elem_size, " bytes is not supported (1, 2 or 4)");
+  CacheShapes s;
+  if (layout == CacheLayout::kVLLM) {
+    const auto x = static_cast<std::int64_t>(16 / elem_size);
+    if (head_size % x != 0)
+      fail<InvalidArgument>("head_size: the \"vllm\" layout needs a multiple of x = 16 / element size = ", x, ", got ",
+                            head_size, " (the \"nhd\" layout takes any head size)");
+    s.key_ndim = 5;
+    s.value_ndim = 4;
+    s.key = {num_blocks, num_kv_heads, head_size / x, block_size, x};
+    s.value = {num_blocks, num_kv_heads, head_size, block_size, 0};
+  } else {
+    s.key_ndim = 4;
+    s.value_ndim = 4;
+    s.key = {num_blocks, block_size, num_kv_heads, head_size};
+    s.value = s.key;
+  }
+  return s;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,46 @@
+"""pagedattn: paged-attention decode kernels and a KV block manager for any DLPack array."""
+
+from __future__ import annotations
+
+from ._api import built_with_cuda, kv_cache_shape, paged_attention, reshape_and_cache, supported
+from ._core import __version__
+
+__all__ = [
+    "__version__",
+    "built_with_cuda",
+    "kv_cache_shape",
+    "paged_attention",
+    "reshape_and_cache",
+    "supported",
+    "cmake_dir",
+    "include_dir",
+]
+
+try:  # optional parts, present once built
+    from .block_manager import *  # noqa: F401,F403
+    from .block_manager import __all__ as _bm_all
+
+    __all__ += list(_bm_all)
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from .cache_ops import *  # noqa: F401,F403
+    from .cache_ops import __all__ as _co_all
+
+    __all__ += list(_co_all)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def cmake_dir() -> str:
+    """The folder holding pagedattnConfig.cmake: pass it as ``pagedattn_DIR``."""
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "lib", "cmake", "pagedattn")
+
+
+def include_dir() -> str:
+    """The folder holding the C++ headers (``#include <pagedattn/pagedattn.hpp>``)."""
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "include")

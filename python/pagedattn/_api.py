@@ -1,0 +1,120 @@
+"""The decode attention and cache-write API (framework-neutral wrappers of the core).
+
+All validation happens in the compiled core; this layer only picks the output array,
+the CUDA stream and the bfloat16 bridge for NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _core
+from ._arrays import as_core, dtype_name, empty_like, finish_like, is_cuda, resolve_stream
+
+__all__ = ["paged_attention", "reshape_and_cache", "kv_cache_shape", "supported", "built_with_cuda"]
+
+
+def paged_attention(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    *,
+    scale: Optional[float] = None,
+    alibi_slopes: Any = None,
+    out: Any = None,
+    stream: Any = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    version: int = 0,
+    partition_size: int = 0,
+    workspace: Any = None,
+    check_block_tables: bool = False,
+) -> Any:
+    """Decode attention of one new query token per sequence over its paged KV cache.
+
+    Shapes (S sequences, H query heads, K KV heads, D head size, B block size,
+    N blocks, M max blocks per sequence, x = 16 / element size of the cache):
+
+    - ``query`` [S, H, D]; may be strided in its first two dimensions.
+    - ``key_cache`` layout "vllm" [N, K, D/x, B, x] or "nhd" [N, B, K, D];
+      ``value_cache`` "vllm" [N, K, D, B] or "nhd" [N, B, K, D]; C-contiguous.
+    - ``block_tables`` int32 [S, M]; ``seq_lens`` int32 [S].
+
+    Query head h reads KV head h // (H // K). ``scale`` defaults to 1/sqrt(D).
+    ``alibi_slopes`` float32 [H] adds slope[h] * (t - seq_len + 1) to token t's logit.
+    A sequence of length 0 yields zeros. Returns ``out`` when given, else a new array
+    of the query's kind, dtype and device.
+
+    fp8 caches: ``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2" with uint8 caches, real
+    value = stored value * ``k_scale`` / ``v_scale``. ``version`` (CUDA) forces the
+    single-pass (1) or partitioned (2) kernel; 0 chooses.
+    """
+    result = empty_like(query) if out is None else out
+    o, bf_o = as_core(result)
+    q, bf_q = as_core(query)
+    k, bf_k = as_core(key_cache)
+    v, bf_v = as_core(value_cache)
+    handle = resolve_stream(stream, query) if (stream is not None or is_cuda(query)) else 0
+    _core.paged_attention(
+        o, q, k, v, block_tables, seq_lens, scale, alibi_slopes,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, version=version,
+        partition_size=partition_size, workspace=workspace, check_block_tables=check_block_tables,
+        stream=handle, bf16_mask=bf_o | (bf_q << 1) | (bf_k << 2) | (bf_v << 3),
+    )  # fmt: skip
+    return result if out is not None else finish_like(result, query)
+
+
+def reshape_and_cache(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    *,
+    stream: Any = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Writes ``key`` / ``value`` [T, K, D] into their cache slots, in place.
+
+    ``slot_mapping`` int32 or int64 [T]: slot = block * B + offset; negative slots mark
+    padding and are skipped. Works with both cache layouts; with an fp8
+    ``kv_cache_dtype`` the values are stored as value / scale, saturated.
+    """
+    k, bf_k = as_core(key)
+    v, bf_v = as_core(value)
+    kc, bf_kc = as_core(key_cache)
+    vc, bf_vc = as_core(value_cache)
+    handle = resolve_stream(stream, key) if (stream is not None or is_cuda(key)) else 0
+    _core.reshape_and_cache(
+        k, v, kc, vc, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        stream=handle, bf16_mask=bf_k | (bf_v << 1) | (bf_kc << 2) | (bf_vc << 3),
+    )  # fmt: skip
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: Any, layout: str = "vllm"
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key_shape, value_shape) of a paged KV cache.
+
+    ``dtype`` is the cache element type: a NumPy dtype or scalar type, a torch dtype,
+    or a name ("float32", "float16", "bfloat16", "uint8", "fp8_e4m3", "fp8_e5m2").
+    ``layout`` is "vllm" or "nhd" (see :func:`paged_attention`).
+    """
+    return _core.kv_cache_shape(
+        int(num_blocks), int(block_size), int(num_kv_heads), int(head_size), dtype_name(dtype), layout
+    )
+
+
+def supported() -> dict:
+    """The supported dtypes, layouts, head sizes and block sizes."""
+    return _core.supported()
+
+
+def built_with_cuda() -> bool:
+    """True when this installation contains the CUDA backend."""
+    return bool(_core.with_cuda)

@@ -1,0 +1,126 @@
+// Bindings of the decode attention and cache-write API.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "bindings.hpp"
+#include "ndarray.hpp"
+#include "pagedattn/attention.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace pagedattn::py {
+namespace {
+
+// NumPy has no bfloat16; the Python layer passes ml_dtypes.bfloat16 arrays as uint16
+// views and sets the argument's bit in `bf16_mask` so the core sees bfloat16.
+TensorView view_arg(const AnyArray& a, unsigned mask, int bit) {
+  TensorView v = to_view(a);
+  if ((mask >> bit) & 1u) {
+    if (v.dtype != DType::kUInt16) fail<TypeMismatch>("internal: bfloat16 view expected as uint16");
+    v.dtype = DType::kBFloat16;
+  }
+  return v;
+}
+
+nb::tuple shape_tuple(const Shape& s, int n) {
+  nb::list l;
+  for (int i = 0; i < n; ++i) l.append(s[static_cast<std::size_t>(i)]);
+  return nb::tuple(l);
+}
+
+}  // namespace
+
+void bind_attention(nb::module_& m) {
+  m.def(
+      "paged_attention",
+      [](AnyArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache, AnyArray block_tables,
+         AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
+         const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
+         std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
+        const TensorView o = view_arg(out, bf16_mask, 0), q = view_arg(query, bf16_mask, 1),
+                         kc = view_arg(key_cache, bf16_mask, 2), vc = view_arg(value_cache, bf16_mask, 3);
+        const TensorView bt = to_view(block_tables), sl = to_view(seq_lens);
+        TensorView alibi, ws;
+        DecodeOptions opt;
+        opt.scale = scale;
+        if (alibi_slopes) {
+          alibi = to_view(*alibi_slopes);
+          opt.alibi_slopes = &alibi;
+        }
+        if (workspace) {
+          ws = to_view(*workspace);
+          opt.workspace = &ws;
+        }
+        opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+        opt.k_scale = k_scale;
+        opt.v_scale = v_scale;
+        opt.version = version;
+        opt.partition_size = partition_size;
+        opt.check_block_tables = check_block_tables;
+        opt.stream = to_stream(stream);
+        nb::gil_scoped_release release;
+        paged_attention(o, q, kc, vc, bt, sl, opt);
+      },
+      "out"_a.noconvert(), "query"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),
+      "block_tables"_a.noconvert(), "seq_lens"_a.noconvert(), "scale"_a.none(), "alibi_slopes"_a.none(),
+      "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "version"_a = 0, "partition_size"_a = 0,
+      "workspace"_a.none() = nb::none(), "check_block_tables"_a = false, "stream"_a = 0, "bf16_mask"_a = 0u,
+      "Low-level decode entry point (validated in C++). Use pagedattn.paged_attention.");
+
+  m.def(
+      "reshape_and_cache",
+      [](AnyArray key, AnyArray value, AnyArray key_cache, AnyArray value_cache, AnyArray slot_mapping,
+         const std::string& kv_cache_dtype, float k_scale, float v_scale, std::uintptr_t stream, unsigned bf16_mask) {
+        const TensorView k = view_arg(key, bf16_mask, 0), v = view_arg(value, bf16_mask, 1),
+                         kc = view_arg(key_cache, bf16_mask, 2), vc = view_arg(value_cache, bf16_mask, 3);
+        const TensorView sm = to_view(slot_mapping);
+        CacheWriteOptions opt;
+        opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+        opt.k_scale = k_scale;
+        opt.v_scale = v_scale;
+        opt.stream = to_stream(stream);
+        nb::gil_scoped_release release;
+        reshape_and_cache(k, v, kc, vc, sm, opt);
+      },
+      "key"_a.noconvert(), "value"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),
+      "slot_mapping"_a.noconvert(), "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
+      "stream"_a = 0, "bf16_mask"_a = 0u,
+      "Low-level cache-write entry point (validated in C++). Use pagedattn.reshape_and_cache.");
+
+  m.def(
+      "kv_cache_shape",
+      [](std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads, std::int64_t head_size,
+         const std::string& dtype, const std::string& layout) {
+        const DType t = parse_dtype(dtype);
+        if (t != DType::kFloat32 && t != DType::kFloat16 && t != DType::kBFloat16 && t != DType::kUInt8)
+          fail<TypeMismatch>("dtype: ", dtype_name(t), " is not a cache dtype; expected ", supported::dtypes_str(),
+                             " or an fp8 / uint8 name");
+        const CacheShapes s =
+            kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, dtype_size(t), parse_layout(layout));
+        return nb::make_tuple(shape_tuple(s.key, s.key_ndim), shape_tuple(s.value, s.value_ndim));
+      },
+      "num_blocks"_a, "block_size"_a, "num_kv_heads"_a, "head_size"_a, "dtype"_a, "layout"_a = "vllm");
+
+  m.def("num_threads", &cpu_num_threads, "Threads used by the CPU backend (PAGEDATTN_NUM_THREADS overrides).");
+  m.def("supported", []() {
+    nb::dict d;
+    nb::list dts, hs, bs;
+    for (DType t : supported::kDTypes) dts.append(dtype_name(t));
+    for (int h : supported::kCudaHeadSizes) hs.append(h);
+    for (int b : supported::kCudaBlockSizes) bs.append(b);
+    d["dtypes"] = dts;
+    d["kv_cache_dtypes"] = nb::make_tuple("auto", "fp8_e4m3", "fp8_e5m2");
+    d["layouts"] = nb::make_tuple("vllm", "nhd");
+    d["cuda_head_sizes"] = hs;
+    d["cuda_head_size_align"] = supported::kCudaHeadSizeAlign;
+    d["cuda_max_head_size"] = supported::kCudaMaxHeadSize;
+    d["cuda_block_sizes"] = bs;
+    d["cpu_max_head_size"] = supported::kCpuMaxHeadSize;
+    d["cpu_max_block_size"] = supported::kCpuMaxBlockSize;
+    return d;
+  }, "The supported dtypes, layouts, head sizes and block sizes (one list the whole library reads).");
+}
+
+}  // namespace pagedattn::py
