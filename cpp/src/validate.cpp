@@ -51,7 +51,7 @@ void check_contiguous(const TensorView& t, const char* name) {
 }
 
 void check_last_dim_contiguous(const TensorView& t, const char* name) {
-  if (t.size(-1) > 1 && t.stride(-1) != 1)
+  if (t.numel() > 0 && t.size(-1) > 1 && t.stride(-1) != 1)
     fail<InvalidArgument>(name, ": the last dimension must be contiguous (stride 1), got stride ", t.stride(-1));
 }
 

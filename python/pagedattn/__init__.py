@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import reference
 from ._api import built_with_cuda, kv_cache_shape, paged_attention, reshape_and_cache, supported
 from ._core import __version__
 

@@ -85,6 +85,10 @@ def empty_like(a: Any) -> Any:
     fw = framework(a)
     if fw == "numpy":
         return np.empty(a.shape, dtype=a.dtype)
+    if not hasattr(a, "__dlpack__"):
+        raise TypeError(
+            f"query: expected an array supporting DLPack (NumPy, PyTorch, CuPy, JAX, ...), got {type(a).__name__}"
+        )
     if fw == "torch":
         import torch
 

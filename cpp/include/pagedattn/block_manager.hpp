@@ -318,6 +318,7 @@ class BlockManager {
   mutable std::vector<std::int32_t> scratch_idx_;
   mutable std::vector<std::uint32_t> seq_stamp_;  // per seq slot, for duplicate detection
   mutable std::uint32_t stamp_ = 0;
+  mutable std::uint32_t bstamp_ = 0;
   mutable std::vector<std::int32_t> block_mark_;  // per GPU/CPU block, for swap dedupe / demand
   mutable std::vector<std::uint32_t> block_stamp_;
   mutable std::vector<std::int32_t> touched_;

@@ -1,0 +1,167 @@
+// Device helpers shared by every CUDA kernel family of pagedattn: error checking,
+// element types and conversions (f16, bf16, fp8), cp.async, warp reductions, and the
+// per-device properties the launchers size grids from.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "pagedattn/errors.hpp"
+#include "pagedattn/params.hpp"
+
+namespace pagedattn::cuda_backend {
+
+// ---------------------------------------------------------------------------------
+// Host: error checks
+// ---------------------------------------------------------------------------------
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail<CudaError>(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+// After every launch: a bad configuration shows here, not at the next unrelated call.
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// Sets the current device for the lifetime of the object, restoring the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    else prev_ = -1;
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+struct DeviceInfo {
+  int num_sms = 0;
+  int max_smem_per_block = 0;  // opt-in limit
+  int max_smem_per_sm = 0;
+};
+// Read once per device (no synchronisation).
+const DeviceInfo& device_info(int device);
+
+// Whether work queued on `stream` is being captured into a CUDA graph.
+bool stream_is_capturing(cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------
+// Device: element types
+// ---------------------------------------------------------------------------------
+// Cache storage kinds: the cache holds the query's dtype, or fp8 bytes of one format.
+enum class Fp8 : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
+
+template <class T>
+struct Pack2;  // two elements in 32 bits
+template <>
+struct Pack2<__half> {
+  using type = __half2;
+};
+template <>
+struct Pack2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Two floats -> 32 bits of packed f16 / bf16 (element 0 in the low half).
+template <class T>
+__device__ __forceinline__ std::uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ std::uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<std::uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ std::uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<std::uint32_t*>(&h);
+}
+
+// fp8 -> float (one byte).
+template <Fp8 F>
+__device__ __forceinline__ float fp8_to_float(std::uint8_t v) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// Two fp8 bytes (low 16 bits of `v`) -> 32 bits of packed T. e4m3 and e5m2 values are
+// exact in f16 and in bf16, so this conversion loses nothing.
+template <class T, Fp8 F>
+__device__ __forceinline__ std::uint32_t fp8x2_to(std::uint32_t v) {
+  const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu),
+                                                    F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<std::uint32_t>(h2.x) | (static_cast<std::uint32_t>(h2.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h2));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// float -> fp8 byte, round to nearest even, saturating to the largest finite value.
+template <Fp8 F>
+__device__ __forceinline__ std::uint8_t float_to_fp8(float v) {
+  return static_cast<std::uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+// ---------------------------------------------------------------------------------
+// Device: asynchronous copies global -> shared (sm_80+)
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+// Copies `src_bytes` (0..16) bytes and fills the rest of the 16 with zeros. With
+// src_bytes == 0 nothing is read from `src`.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------------------------
+// Device: warp helpers
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+}  // namespace pagedattn::cuda_backend

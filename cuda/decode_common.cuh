@@ -1,0 +1,90 @@
+// Pieces shared by the decode kernels: error recording, sequence-length checks, the
+// cross-warp merge of online-softmax states and the final store (single pass) or
+// partial store (partitioned).
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/decode_params.cuh"
+
+namespace pagedattn::cuda_backend {
+
+// Records the first error only; later ones are dropped.
+__device__ __forceinline__ void record_error(DeviceErrorRecord* e, int flag, int seq, int index, int value) {
+  if (e && atomicCAS(&e->flag, 0, flag) == 0) {
+    e->seq = seq;
+    e->index = index;
+    e->value = value;
+  }
+}
+
+// Block id of table column `col` of sequence `s`, or -1 (recorded) when out of range.
+__device__ __forceinline__ int load_block_id(const DecodeKernelParams& p, int s, int col) {
+  const int id = __ldg(p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq + col);
+  if (id < 0 || id >= p.num_blocks) {
+    record_error(p.error, 1, s, col, id);
+    return -1;
+  }
+  return id;
+}
+
+// Length of sequence s, or -1 (recorded) when outside [0, M * B].
+__device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
+  const int len = __ldg(p.seq_lens + s);
+  if (len < 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
+    if (threadIdx.x == 0) record_error(p.error, 2, s, -1, len);
+    return -1;
+  }
+  return len;
+}
+
+// Writes `rows` heads of [D] outputs starting at head h0 with one value (0 or NaN).
+template <class T>
+__device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int h0, int rows, float v) {
+  const int D = p.head_size;
+  for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
+    const int r = i / D, d = i % D;
+    T* o = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h0 + r) * p.o_stride_head;
+    o[d] = from_float<T>(v);
+  }
+}
+
+// Final step of a decode CTA. Inputs in shared memory, written by W warps:
+//   wm, wl   [W][R]      per-warp max logit (base 2) and exp-sum of each row
+//   slab     [W][R][DP]  per-warp unnormalised output of each row, already scaled by
+//                        exp2(wm - row max) (the caller does that)
+// Writes out (NP == 1) or the partition's partial results.
+template <class T, int W, int R, int DP>
+__device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
+                                           const float* slab, int s, int h0, int rows, int part, bool bad) {
+  const int D = p.head_size;
+  const bool single = p.num_partitions == 1;
+  for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
+    const int r = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, wm[w * R + r]);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float m = wm[w * R + r];
+      if (m != -INFINITY) l += wl[w * R + r] * exp2f(m - mx);
+      o += slab[(w * R + r) * DP + d];
+    }
+    o *= p.v_scale;
+    if (bad) o = NAN;
+    const int h = h0 + r;
+    if (single) {
+      T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
+      out[d] = from_float<T>(o / l);
+    } else {
+      const std::int64_t row = (static_cast<std::int64_t>(s) * p.num_heads + h) * p.num_partitions + part;
+      p.part_out[row * D + d] = o;
+      if (d == 0) {
+        p.part_max[row] = mx;
+        p.part_sum[row] = bad ? NAN : l;
+      }
+    }
+  }
+}
+
+}  // namespace pagedattn::cuda_backend

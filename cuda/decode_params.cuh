@@ -1,0 +1,50 @@
+// The one parameter struct of the decode kernel family (tensor-core kernel, CUDA-core
+// kernel and the partition reduce), passed by value to every kernel of the family.
+// Only the host launcher (decode_launch.cu) fills it and chooses grid shapes.
+//
+// Dimension legend: S seqs, H query heads, K KV heads, G = H / K heads per KV head,
+// D head size, B block size, N blocks, M max blocks per seq, NP partitions.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedattn::cuda_backend {
+
+// The first error a kernel met (device global memory; see decode_launch.cu).
+struct DeviceErrorRecord {
+  int flag;   // 0 = none, 1 = block id out of range, 2 = seq_len out of range, 3 = slot out of range
+  int seq;    // sequence (or token for slots)
+  int index;  // block-table column (or -1)
+  int value;  // the offending value
+};
+
+struct DecodeKernelParams {
+  void* out;  // [S, H, D], query dtype
+  std::int64_t o_stride_seq, o_stride_head;
+  const void* query;  // [S, H, D]
+  std::int64_t q_stride_seq, q_stride_head;
+  const void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
+  const void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D]
+  const std::int32_t* block_tables;  // [S, M]
+  const std::int32_t* seq_lens;      // [S]
+  const float* alibi_slopes;         // [H] or null
+
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  std::int64_t num_blocks;
+  int group;           // G
+  int rows_per_cta;    // query heads of one group handled by one CTA (a head tile)
+  int num_head_tiles;  // ceil(G / rows_per_cta)
+
+  float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
+  float v_scale;
+
+  int partition_size;  // tokens per partition (a multiple of 16)
+  int num_partitions;  // NP; 1 = single pass, writes `out` directly
+  float* part_out;     // [S, H, NP, D] unnormalised partial outputs (NP > 1)
+  float* part_max;     // [S, H, NP] partial max logit (base 2)
+  float* part_sum;     // [S, H, NP] partial exp-sum
+
+  DeviceErrorRecord* error;
+};
+
+}  // namespace pagedattn::cuda_backend
