@@ -57,7 +57,7 @@ template <class T, int W, int R, int DP>
 __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
                                            const float* slab, int s, int h0, int rows, int part, bool bad) {
   const int D = p.head_size;
-  const bool single = p.num_partitions == 1;
+  const bool single = p.part_out == nullptr;
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
     const int r = i / D, d = i % D;
     float mx = -INFINITY;

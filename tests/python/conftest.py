@@ -104,7 +104,7 @@ def assert_close(out, ref, dtype, what=""):
     out = np.asarray(out).astype(np.float64)
     assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
     assert np.isfinite(out).all(), f"{what}: non-finite output (a wrong index read a NaN slot?)"
-    atol, rtol = TOL[np.dtype(dtype).name]
+    atol, rtol = TOL[dtype if isinstance(dtype, str) else np.dtype(dtype).name]
     np.testing.assert_allclose(out, ref, atol=atol, rtol=rtol, err_msg=what)
 
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "pagedattn/attention.hpp"
+#include "pagedattn/block_manager.hpp"
 #include "pagedattn/errors.hpp"
 #include "pagedattn/params.hpp"
 #include "pagedattn/supported.hpp"

@@ -1,0 +1,419 @@
+// Tensor-core decode kernel (f16 / bf16 queries; caches of the same dtype or fp8).
+//
+// One CTA = (sequence, KV head, tile of up to 16 query heads of that KV head's group,
+// partition of the context). Every query head of the tile is computed from ONE read of
+// the KV head: the heads are the 16 rows (M) of mma.sync.m16n8k16, tokens and head dims
+// the N / K dimensions:
+//   S  [16 heads x 16 tokens] = Q [16 x D] . K^T        (D/16 k-steps, 2 n-tiles)
+//   O  [16 heads x D]        += P [16 x 16 tokens] . V  (1 k-step, D/8 n-tiles)
+// Each of the W warps streams its own 16-token chunks (chunk i, i+W, ...) through a
+// private kStages-deep cp.async ring in shared memory and keeps its own online-softmax
+// state; the warps are merged once at the end.
+//
+// Shared-memory layouts of one stage (all layouts of the cache map onto these):
+//   K   [D*E/16 chunks][16 tokens][16 bytes], token index XOR-swizzled per chunk so the
+//       fragment loads (one 16-byte load feeds 16/E/4 k-steps) are bank-conflict free.
+//   V   vllm: [D][16 tokens] (the cache's own [D, B] rows);  nhd: [16 tokens][D*E + 16]
+//       (padded rows; ldmatrix.trans reads them for 16-bit caches).
+// Dimension permutation: a thread's k-slots {2c, 2c+1, 2c+8, 2c+9} of a k-step hold 4
+// CONSECUTIVE head dims (and for the vllm layout the 16 tokens are ordered so that a
+// thread's P / V slots are 4 consecutive tokens); Q is loaded with the same
+// permutation, so the dot products are unchanged and every load is a vector load.
+#pragma once
+
+#include "cuda/decode_common.cuh"
+
+namespace pagedattn::cuda_backend {
+
+template <class T, Fp8 F, int HEAD, CacheLayout L>
+struct MmaDecodeConfig {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRows = 16;  // query heads per CTA (mma M)
+  static constexpr int kTok = 16;   // tokens per chunk (mma K of P.V)
+  static constexpr int kE = F == Fp8::kNone ? static_cast<int>(sizeof(T)) : 1;  // cache element bytes
+  static constexpr int kV16 = 16 / kE;                                         // elements per 16 bytes
+  static constexpr int kHMax = HEAD ? HEAD : 256;                              // capacity (generic: 256)
+  static constexpr int kKChunks = (kHMax + kV16 - 1) / kV16;                   // 16-byte chunks per row
+  static constexpr int kSPL = kV16 / 4;                                        // k-steps per 16-byte load
+  static constexpr int kGroups = (kKChunks + 3) / 4;                           // 4 chunks per group
+  static constexpr int kKSteps = kGroups * kSPL;
+  static constexpr int kNTiles = kHMax / 8;
+  static constexpr int kStages = 3;
+  static constexpr int kKBytes = kTok * kKChunks * 16;
+  static constexpr int kVPitch = kHMax * kE + 16;  // nhd row pitch (bytes)
+  static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
+  static constexpr int kStageBytes = kKBytes + kVBytes;
+  static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kSlabBytes = kWarps * kRows * kHMax * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kSlabBytes ? kPipeBytes : kSlabBytes;
+};
+
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                         std::uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(std::uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+
+// Token held in k-slot `col` (0..7) of QK n-tile `nt`: for the vllm layout ordered so a
+// thread's P.V slots {2c, 2c+1, 2c+8, 2c+9} are tokens 4c..4c+3; natural for nhd.
+template <CacheLayout L>
+__device__ __forceinline__ int slot_token(int nt, int col) {
+  if constexpr (L == CacheLayout::kVLLM) return 4 * (col >> 1) + 2 * nt + (col & 1);
+  else return 8 * nt + col;
+}
+
+// K 16-byte chunk j of token t inside a stage (swizzled).
+__device__ __forceinline__ int k_unit(int j, int t) { return j * 16 + (t ^ ((2 * j) & 6)); }
+
+template <class T, Fp8 F, int HEAD, CacheLayout L>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
+    decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
+  using C = MmaDecodeConfig<T, F, HEAD, L>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float red_m[C::kWarps * C::kRows];
+  __shared__ float red_l[C::kWarps * C::kRows];
+
+  const int part = blockIdx.x;
+  const int kvh = blockIdx.y / p.num_head_tiles;
+  const int tile = blockIdx.y % p.num_head_tiles;
+  const int s = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int D = HEAD ? HEAD : p.head_size;
+  const int B = p.block_size, K = p.num_kv_heads;
+
+  const int row0 = tile * C::kRows;                    // first row of the tile inside the group
+  const int rows = min(C::kRows, p.group - row0);      // valid rows
+  const int h0 = kvh * p.group + row0;                 // first query head
+
+  const int len = load_seq_len(p, s);
+  if (len < 0) {  // invalid length: NaN output (v1) or NaN partials (the reduce checks it too)
+    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, NAN);
+    return;
+  }
+  const int tok_begin = part * p.partition_size;
+  if (tok_begin >= len) {
+    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, 0.f);  // len == 0: zeros
+    return;
+  }
+  const int tok_end = min(len, tok_begin + p.partition_size);
+  const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
+  const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
+  const int nck = (D * C::kE + 15) / 16;  // 16-byte chunks per K row actually present
+  const int row_bytes = D * C::kE;
+
+  // ---- Q fragments (A operand), permuted dims, zero for rows >= `rows` / dims >= D
+  std::uint32_t qa[C::kKSteps][4];
+  {
+    const T* q0 = static_cast<const T*>(p.query) + s * p.q_stride_seq;
+#pragma unroll
+    for (int st = 0; st < C::kKSteps; ++st) {
+      const int d0 = (4 * (st / C::kSPL) + c) * C::kV16 + (st % C::kSPL) * 4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // rows g, g + 8
+        const int r = g + 8 * half;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[e] = 0.f;
+          if (r < rows && d0 + e < D)
+            v[e] = to_float(q0[static_cast<std::int64_t>(h0 + r) * p.q_stride_head + d0 + e]);
+        }
+        qa[st][half] = pack2<T>(v[0], v[1]);
+        qa[st][2 + half] = pack2<T>(v[2], v[3]);
+      }
+    }
+  }
+  float slope[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    slope[half] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[h0 + r] * kLog2e : 0.f;
+  }
+
+  unsigned char* my_ring = smem + warp * C::kStages * C::kStageBytes;
+  const char* kc = static_cast<const char*>(p.key_cache);
+  const char* vc = static_cast<const char*>(p.value_cache);
+  bool bad = false;
+
+  // ---- issue the cp.async copies of this warp's i-th chunk into its stage
+  auto load_chunk = [&](int i) {
+    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
+    unsigned char* vs = ks + C::kKBytes;
+    // Block ids of tokens t0 and t0 + 8 (one block when B >= 16).
+    int idA = load_block_id(p, s, t0 / B);
+    int idB = idA;
+    if (B < 16) idB = t0 + 8 < tok_end ? load_block_id(p, s, (t0 + 8) / B) : -1;
+    bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    if constexpr (L == CacheLayout::kVLLM) {
+      // K: [N, K, D/x, B, x] -> piece (chunk j, token t) is 16 contiguous bytes.
+      const int t = lane & 15;
+      const int tok = t0 + t;
+      const int id = t < 8 ? idA : idB;
+      const bool ok = tok < tok_end && id >= 0;
+      const char* base = kc + ((static_cast<std::int64_t>(ok ? id : 0) * K + kvh) * nck) * (B * 16) +
+                         static_cast<std::int64_t>(tok % B) * 16;
+      for (int j = lane >> 4; j < nck; j += 2)
+        cp_async16(ks + k_unit(j, t) * 16, ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc, ok ? 16 : 0);
+      // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
+      constexpr int kPt16 = 16 / C::kE;  // tokens per 16-byte piece
+      if (C::kE == 1 && B == 8) {        // fp8, 8-token blocks: 8-byte pieces
+        for (int pi = lane; pi < D * 2; pi += 32) {
+          const int d = pi >> 1, q = pi & 1;
+          const int tk = t0 + q * 8;
+          const int idq = q ? idB : idA;
+          const int nvalid = min(8, max(0, tok_end - tk));
+          const bool okv = nvalid > 0 && idq >= 0;
+          const char* src = kc;
+          if (okv) src = vc + ((static_cast<std::int64_t>(idq) * K + kvh) * D + d) * B;
+          cp_async8(vs + d * 16 + q * 8, okv ? src : vc, okv ? nvalid : 0);
+        }
+      } else {
+        constexpr int kPieces = 16 / kPt16;  // pieces per dim row of the chunk
+        for (int pi = lane; pi < D * kPieces; pi += 32) {
+          const int d = pi / kPieces, q = pi % kPieces;
+          const int tk = t0 + q * kPt16;
+          const int idq = (B < 16 && q * kPt16 >= 8) ? idB : idA;
+          const int nvalid = min(kPt16, max(0, tok_end - tk));
+          const bool okv = nvalid > 0 && idq >= 0;
+          const char* src = vc;
+          if (okv)
+            src = vc + (((static_cast<std::int64_t>(idq) * K + kvh) * D + d) * B + tk % B) * C::kE;
+          cp_async16(vs + (d * 16 + q * kPt16) * C::kE, src, okv ? nvalid * C::kE : 0);
+        }
+      }
+    } else {
+      // nhd: [N, B, K, D] for both; a token row of one head is D*E contiguous bytes.
+      if (C::kE == 1 && (row_bytes & 15)) {  // fp8 rows only 8-byte aligned: 8-byte pieces
+        const int n8 = (nck * 16) / 8;          // includes the zero-filled tail of the last chunk
+        for (int pi = lane; pi < 16 * n8; pi += 32) {
+          const int t = pi / n8, j8 = pi % n8;
+          const int tok = t0 + t;
+          const int id = t < 8 ? idA : idB;
+          const bool ok = tok < tok_end && id >= 0 && j8 * 8 < row_bytes;
+          const std::int64_t off =
+              ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j8 * 8;
+          cp_async8(ks + k_unit(j8 >> 1, t) * 16 + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
+          cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);
+        }
+        return;
+      }
+      for (int pi = lane; pi < 16 * nck; pi += 32) {
+        const int t = pi / nck, j = pi % nck;
+        const int tok = t0 + t;
+        const int id = t < 8 ? idA : idB;
+        const bool ok = tok < tok_end && id >= 0;
+        const std::int64_t off =
+            ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j * 16;
+        const int nb = ok ? min(16, row_bytes - j * 16) : 0;
+        cp_async16(ks + k_unit(j, t) * 16, ok ? kc + off : kc, nb);
+        cp_async16(vs + t * C::kVPitch + j * 16, ok ? vc + off : vc, nb);
+      }
+    }
+  };
+
+  // ---- per-warp online softmax state
+  float acc[C::kNTiles][4];
+#pragma unroll
+  for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+#pragma unroll
+  for (int i = 0; i < C::kStages - 1; ++i) {
+    if (i < my_chunks) load_chunk(i);
+    cp_async_commit();
+  }
+
+  for (int i = 0; i < my_chunks; ++i) {
+    if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1);
+    cp_async_commit();
+    cp_async_wait<C::kStages - 1>();
+    __syncwarp();
+
+    const unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
+    const unsigned char* vs = ks + C::kKBytes;
+    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+
+    // S = Q K^T
+    float sc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      const int trow = slot_token<L>(nt, g);
+#pragma unroll
+      for (int q = 0; q < C::kGroups; ++q) {
+        if (HEAD == 0 && q * 4 * C::kV16 >= D) break;
+        const int j = 4 * q + c;
+        uint4 kv = make_uint4(0u, 0u, 0u, 0u);
+        if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_unit(j, trow) * 16);
+        const std::uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int sub = 0; sub < C::kSPL; ++sub) {
+          std::uint32_t b0, b1;
+          if constexpr (F == Fp8::kNone) {
+            b0 = w[2 * sub];
+            b1 = w[2 * sub + 1];
+          } else {
+            b0 = fp8x2_to<T, F>(w[sub]);
+            b1 = fp8x2_to<T, F>(w[sub] >> 16);
+          }
+          mma16816<T>(sc[nt], qa[q * C::kSPL + sub], b0, b1);
+        }
+      }
+    }
+
+    // online softmax (base 2), masking tokens >= tok_end
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = t0 + slot_token<L>(nt, 2 * c + (e & 1));
+        const int half = e >> 1;
+        float v = sc[nt][e] * p.qk_scale_log2 + slope[half] * static_cast<float>(tok - len + 1);
+        if (tok >= tok_end) v = -INFINITY;
+        sc[nt][e] = v;
+        mx[half] = fmaxf(mx[half], v);
+      }
+    float corr[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+      const float m_new = fmaxf(m_run[half], mx[half]);
+      corr[half] = exp2f(m_run[half] - m_new);
+      m_run[half] = m_new;
+    }
+    float ps[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(sc[nt][e] - m_run[e >> 1]);
+        sc[nt][e] = pv;
+        ps[e >> 1] += pv;
+      }
+    l_run[0] = l_run[0] * corr[0] + ps[0];
+    l_run[1] = l_run[1] * corr[1] + ps[1];
+    const std::uint32_t pa[4] = {pack2<T>(sc[0][0], sc[0][1]), pack2<T>(sc[0][2], sc[0][3]),
+                                 pack2<T>(sc[1][0], sc[1][1]), pack2<T>(sc[1][2], sc[1][3])};
+
+    // O += P V
+#pragma unroll
+    for (int n = 0; n < C::kNTiles; ++n) {
+      acc[n][0] *= corr[0];
+      acc[n][1] *= corr[0];
+      acc[n][2] *= corr[1];
+      acc[n][3] *= corr[1];
+    }
+    if constexpr (L == CacheLayout::kVLLM) {
+#pragma unroll
+      for (int n = 0; n < C::kNTiles; ++n) {
+        if (HEAD == 0 && n * 8 >= D) break;
+        const int d = n * 8 + g;
+        std::uint32_t b0, b1;
+        if constexpr (F == Fp8::kNone) {
+          const uint2 v = *reinterpret_cast<const uint2*>(vs + (d * 16 + 4 * c) * 2);
+          b0 = v.x;
+          b1 = v.y;
+        } else {
+          const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c);
+          b0 = fp8x2_to<T, F>(v);
+          b1 = fp8x2_to<T, F>(v >> 16);
+        }
+        mma16816<T>(acc[n], pa, b0, b1);
+      }
+    } else if constexpr (F == Fp8::kNone) {
+      const int mi = lane >> 3, r = lane & 7;
+#pragma unroll
+      for (int n = 0; n < C::kNTiles; n += 2) {
+        if (HEAD == 0 && n * 8 >= D) break;
+        if (n + 1 < C::kNTiles && (HEAD != 0 || (n + 1) * 8 < D)) {
+          std::uint32_t b[4];
+          ldmatrix_x4_trans(b, vs + ((mi & 1) * 8 + r) * C::kVPitch + (n + (mi >> 1)) * 16);
+          mma16816<T>(acc[n], pa, b[0], b[1]);
+          mma16816<T>(acc[n + 1], pa, b[2], b[3]);
+        } else {
+          std::uint32_t b[2];
+          ldmatrix_x2_trans(b, vs + ((mi & 1) * 8 + r) * C::kVPitch + n * 16);
+          mma16816<T>(acc[n], pa, b[0], b[1]);
+        }
+      }
+    } else {  // nhd fp8: byte loads of tokens 2c, 2c+1, 2c+8, 2c+9 at dim 8n + g
+#pragma unroll
+      for (int n = 0; n < C::kNTiles; ++n) {
+        if (HEAD == 0 && n * 8 >= D) break;
+        const unsigned char* col = vs + n * 8 + g;
+        const std::uint32_t lo = col[(2 * c) * C::kVPitch] | (col[(2 * c + 1) * C::kVPitch] << 8);
+        const std::uint32_t hi = col[(2 * c + 8) * C::kVPitch] | (col[(2 * c + 9) * C::kVPitch] << 8);
+        mma16816<T>(acc[n], pa, fp8x2_to<T, F>(lo), fp8x2_to<T, F>(hi));
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+  }
+  const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
+  if (c == 0) {
+    red_m[warp * C::kRows + g] = m_run[0];
+    red_m[warp * C::kRows + g + 8] = m_run[1];
+    red_l[warp * C::kRows + g] = l_run[0];
+    red_l[warp * C::kRows + g + 8] = l_run[1];
+  }
+  __syncthreads();
+  float f[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kWarps; ++w) mx = fmaxf(mx, red_m[w * C::kRows + r]);
+    f[half] = m_run[half] == -INFINITY ? 0.f : exp2f(m_run[half] - mx);
+  }
+  float* slab = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int n = 0; n < C::kNTiles; ++n) {
+    if (n * 8 >= D) break;
+    const int d = n * 8 + 2 * c;
+    float* r0 = slab + (warp * C::kRows + g) * C::kHMax + d;
+    float* r1 = slab + (warp * C::kRows + g + 8) * C::kHMax + d;
+    *reinterpret_cast<float2*>(r0) = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
+    *reinterpret_cast<float2*>(r1) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
+  }
+  __syncthreads();
+  store_rows<T, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+}
+
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,6 @@
+// Decode kernels for one (query dtype, cache kind) pair; see decode_inst.cuh.
+#include "cuda/decode_inst_impl.cuh"
+
+namespace pagedattn::cuda_backend {
+template DecodeKernelInfo decode_kernel<__half, Fp8::kE4M3>(int, CacheLayout);
+}  // namespace pagedattn::cuda_backend

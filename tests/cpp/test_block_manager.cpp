@@ -1,0 +1,469 @@
+// Unit tests of the KV block manager: pool accounting, copy-on-write, prefix caching,
+// eviction, swapping, sliding window, step export and the strong exception guarantee.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "check.hpp"
+#include "pagedattn/block_manager.hpp"
+
+using pagedattn::BlockManager;
+using pagedattn::BlockManagerOptions;
+using pagedattn::DType;
+using pagedattn::InvalidArgument;
+using pagedattn::OutOfBlocks;
+using pagedattn::StepOutputs;
+using pagedattn::StepRequest;
+using pagedattn::UnknownSequence;
+
+namespace {
+
+BlockManager make(std::int64_t blocks, std::int64_t bs, bool caching = false, std::int64_t cpu = 0,
+                  double watermark = 0.0, std::int64_t window = 0) {
+  BlockManagerOptions o;
+  o.num_blocks = blocks;
+  o.block_size = bs;
+  o.enable_prefix_caching = caching;
+  o.num_cpu_blocks = cpu;
+  o.watermark = watermark;
+  o.sliding_window = window;
+  return BlockManager(o);
+}
+
+std::vector<std::int32_t> iota_tokens(std::int64_t n, std::int32_t start = 0) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(n));
+  std::iota(t.begin(), t.end(), start);
+  return t;
+}
+
+std::int64_t add(BlockManager& m, std::int64_t id, const std::vector<std::int32_t>& t) {
+  return m.add_sequence(id, t.data(), static_cast<std::int64_t>(t.size()));
+}
+
+// Schedules every pending token of the sequences (no outputs).
+void compute_all(BlockManager& m, const std::vector<std::int64_t>& ids) {
+  StepRequest r;
+  r.seq_ids = ids.data();
+  r.num_seqs = static_cast<std::int64_t>(ids.size());
+  m.step(r, StepOutputs{});
+}
+
+// A snapshot of everything observable, to check the strong exception guarantee.
+struct Snapshot {
+  std::int64_t free, cached, used, cpu_free, seqs, copies;
+  std::vector<std::vector<std::int32_t>> tables;
+  std::vector<std::int32_t> refs;
+  bool operator==(const Snapshot& o) const {
+    return free == o.free && cached == o.cached && used == o.used && cpu_free == o.cpu_free && seqs == o.seqs &&
+           copies == o.copies && tables == o.tables && refs == o.refs;
+  }
+};
+Snapshot snap(const BlockManager& m) {
+  Snapshot s{m.num_free_blocks(), m.num_cached_blocks(), m.num_used_blocks(), m.num_free_cpu_blocks(),
+             m.num_sequences(), m.num_pending_copies(), {}, {}};
+  for (std::int64_t id : m.sequence_ids()) s.tables.push_back(m.block_table(id));
+  for (std::int64_t b = 0; b < m.num_blocks(); ++b) s.refs.push_back(m.ref_count(b));
+  return s;
+}
+
+}  // namespace
+
+PA_TEST(add_append_slots_and_free) {
+  BlockManager m = make(8, 4);
+  PA_CHECK_EQ(add(m, 1, iota_tokens(5)), 0);
+  const auto& t = m.block_table(1);
+  PA_CHECK_EQ(t.size(), 2u);
+  PA_CHECK_EQ(m.num_free_blocks(), 6);
+  std::vector<std::int64_t> slots(4);
+  const auto more = iota_tokens(4, 100);
+  m.append_tokens(1, more.data(), 4, slots.data());
+  const auto& t2 = m.block_table(1);
+  PA_CHECK_EQ(t2.size(), 3u);  // 9 tokens
+  for (int i = 0; i < 4; ++i) {
+    const std::int64_t pos = 5 + i;
+    PA_CHECK_EQ(slots[static_cast<std::size_t>(i)], std::int64_t(t2[static_cast<std::size_t>(pos / 4)]) * 4 + pos % 4);
+  }
+  PA_CHECK_EQ(m.seq_len(1), 9);
+  m.check_invariants();
+  m.free(1);
+  PA_CHECK_EQ(m.num_free_blocks(), 8);
+  PA_CHECK_THROWS(m.free(1), UnknownSequence);  // double free
+  m.check_invariants();
+}
+
+PA_TEST(errors_leave_state_unchanged) {
+  BlockManager m = make(4, 4, false, 1);
+  add(m, 1, iota_tokens(6));
+  const Snapshot before = snap(m);
+  PA_CHECK_THROWS(add(m, 1, iota_tokens(2)), InvalidArgument);      // duplicate
+  PA_CHECK_THROWS(add(m, 2, iota_tokens(13)), OutOfBlocks);         // 4 blocks > 2 free
+  const auto big = iota_tokens(11);
+  PA_CHECK_THROWS(m.append_tokens(1, big.data(), 11, nullptr), OutOfBlocks);  // needs 3 more
+  PA_CHECK_THROWS(m.append_tokens(7, big.data(), 1, nullptr), UnknownSequence);
+  PA_CHECK_THROWS(m.fork(7, 8), UnknownSequence);
+  PA_CHECK_THROWS(m.fork(1, 1), InvalidArgument);
+  const std::int64_t ids[] = {1};
+  std::vector<std::pair<std::int32_t, std::int32_t>> pairs;
+  PA_CHECK_THROWS(m.swap_out(ids, 1, pairs), OutOfBlocks);  // 2 blocks, 1 CPU block
+  PA_CHECK(pairs.empty());
+  PA_CHECK(snap(m) == before);
+  m.check_invariants();
+}
+
+PA_TEST(watermark_applies_to_admission_only) {
+  BlockManager m = make(10, 4, false, 0, 0.2);  // keeps 2 blocks
+  PA_CHECK_EQ(m.watermark_blocks(), 2);
+  PA_CHECK(m.can_allocate(nullptr, 32));
+  PA_CHECK(!m.can_allocate(nullptr, 33));
+  PA_CHECK_THROWS(add(m, 1, iota_tokens(33)), OutOfBlocks);
+  add(m, 1, iota_tokens(32));  // 8 blocks, 2 left
+  const auto more = iota_tokens(8);
+  PA_CHECK(m.can_append(1, 8));
+  m.append_tokens(1, more.data(), 8, nullptr);  // appends may dip into the watermark
+  PA_CHECK_EQ(m.num_free_blocks(), 0);
+  m.check_invariants();
+}
+
+PA_TEST(fork_copy_on_write) {
+  BlockManager m = make(16, 4);
+  add(m, 1, iota_tokens(6));  // blocks: full + 2/4
+  const std::vector<std::int64_t> one = {1};
+  const auto tok = iota_tokens(1, 50);
+  PA_CHECK_THROWS(m.fork(1, 2), InvalidArgument);  // tokens not computed yet
+  compute_all(m, one);
+  m.fork(1, 2);
+  m.fork(1, 3);
+  const auto parent = m.block_table(1);
+  PA_CHECK(m.block_table(2) == parent);
+  PA_CHECK_EQ(m.ref_count(parent[1]), 3);
+  std::int64_t slot = -1;
+  m.append_tokens(2, tok.data(), 1, &slot);  // copy-on-write
+  PA_CHECK(m.block_table(2)[1] != parent[1]);
+  PA_CHECK_EQ(m.block_table(2)[0], parent[0]);
+  PA_CHECK_EQ(slot, std::int64_t(m.block_table(2)[1]) * 4 + 2);
+  PA_CHECK_EQ(m.ref_count(parent[1]), 2);
+  const std::int64_t batch[] = {1, 3};
+  const std::int32_t toks[] = {7, 8};
+  std::int64_t slots[2];
+  PA_CHECK(m.can_append_batch(batch, 2));
+  m.append_tokens_batch(batch, 2, toks, slots);  // seq 1 copies, seq 3 then writes in place
+  PA_CHECK(m.block_table(1)[1] != parent[1]);
+  PA_CHECK_EQ(m.block_table(3)[1], parent[1]);
+  PA_CHECK_EQ(m.ref_count(parent[1]), 1);
+  std::vector<std::pair<std::int32_t, std::int32_t>> pairs;
+  m.take_copy_pairs(pairs);
+  PA_CHECK_EQ(pairs.size(), 2u);
+  PA_CHECK_EQ(pairs[0].first, parent[1]);
+  PA_CHECK_EQ(pairs[0].second, m.block_table(2)[1]);
+  PA_CHECK_EQ(pairs[1].second, m.block_table(1)[1]);
+  PA_CHECK_EQ(m.num_pending_copies(), 0);
+  m.check_invariants();
+  for (std::int64_t id : {1, 2, 3}) m.free(id);
+  PA_CHECK_EQ(m.num_free_blocks(), 16);
+}
+
+PA_TEST(batch_copy_on_write_demand_is_exact) {
+  // Three forks share a partly filled block; a 1-token step for all of them needs exactly 2 blocks.
+  BlockManager m = make(4, 4);
+  add(m, 1, iota_tokens(6));
+  compute_all(m, {1});
+  m.fork(1, 2);
+  m.fork(1, 3);
+  PA_CHECK_EQ(m.num_free_blocks(), 2);
+  const std::int64_t ids[] = {1, 2, 3};
+  const std::int32_t toks[] = {1, 2, 3};
+  PA_CHECK(m.can_append_batch(ids, 3));
+  m.append_tokens_batch(ids, 3, toks, nullptr);
+  PA_CHECK_EQ(m.num_free_blocks(), 0);
+  m.check_invariants();
+  // Each sequence owns its last block now (7 tokens): the 8th token fits, the 9th does not.
+  const std::int32_t toks2[] = {4, 5, 6};
+  PA_CHECK(m.can_append_batch(ids, 3));
+  m.append_tokens_batch(ids, 3, toks2, nullptr);
+  PA_CHECK_EQ(m.seq_len(3), 8);
+  PA_CHECK(!m.can_append_batch(ids, 3));
+  const Snapshot after = snap(m);
+  PA_CHECK_THROWS(m.append_tokens_batch(ids, 3, toks2, nullptr), OutOfBlocks);
+  PA_CHECK(snap(m) == after);
+  PA_CHECK_EQ(m.seq_len(1), 8);
+  const std::int64_t dup[] = {1, 1};
+  PA_CHECK_THROWS(m.append_tokens_batch(dup, 2, toks2, nullptr), InvalidArgument);
+}
+
+PA_TEST(prefix_cache_hits_lru_and_eviction) {
+  BlockManager m = make(8, 4, true);
+  const auto prompt = iota_tokens(10);  // 2 full blocks + 2
+  PA_CHECK_EQ(add(m, 1, prompt), 0);
+  compute_all(m, {1});
+  PA_CHECK(m.is_cached(m.block_table(1)[0]));
+  PA_CHECK(m.is_cached(m.block_table(1)[1]));
+  PA_CHECK(!m.is_cached(m.block_table(1)[2]));
+  PA_CHECK_EQ(add(m, 2, prompt), 8);  // identical prefix -> identical blocks
+  PA_CHECK_EQ(m.block_table(2)[0], m.block_table(1)[0]);
+  PA_CHECK_EQ(m.block_table(2)[1], m.block_table(1)[1]);
+  PA_CHECK(m.block_table(2)[2] != m.block_table(1)[2]);
+  PA_CHECK_EQ(m.num_computed(2), 8);
+  // A different extra key (adapter) misses.
+  PA_CHECK_EQ(m.add_sequence(3, prompt.data(), 10, 42), 0);
+  m.free(3);
+  // Full-prompt hit leaves the last block to compute.
+  const auto exact = iota_tokens(8);
+  PA_CHECK_EQ(add(m, 4, exact), 4);
+  m.free(4);
+  const auto first = m.block_table(1);
+  m.free(1);
+  m.free(2);
+  PA_CHECK_EQ(m.num_cached_blocks(), 2);
+  PA_CHECK_EQ(m.num_used_blocks(), 0);
+  m.check_invariants();
+  // Reuse after free.
+  PA_CHECK_EQ(add(m, 5, prompt), 8);
+  PA_CHECK_EQ(m.block_table(5)[0], first[0]);
+  m.free(5);
+  // Fill the pool: eviction only when the free list is empty, tail block first.
+  PA_CHECK_EQ(add(m, 6, iota_tokens(6 * 4, 1000)), 0);
+  PA_CHECK_EQ(m.num_cached_blocks(), 2);
+  const auto t7 = iota_tokens(4, 5000);
+  PA_CHECK_EQ(add(m, 7, t7), 0);
+  PA_CHECK_EQ(m.num_cached_blocks(), 1);
+  PA_CHECK(m.is_cached(first[0]));  // the prefix's first block outlives its tail
+  PA_CHECK(!m.is_cached(first[1]));
+  PA_CHECK_EQ(m.prefix_cache_stats().evictions, 1);
+  PA_CHECK(m.prefix_cache_stats().hit_tokens > 0);
+  m.check_invariants();
+}
+
+PA_TEST(prefix_cache_out_of_blocks_is_atomic_and_counts_lru_hits) {
+  BlockManager m = make(4, 4, true);
+  add(m, 1, iota_tokens(9));
+  compute_all(m, {1});
+  m.free(1);  // blocks 0,1 cached, others free
+  PA_CHECK_EQ(m.num_cached_blocks(), 2);
+  // 17 tokens: 2 hits from the LRU + 3 new blocks > 2 left.
+  PA_CHECK(!m.can_allocate(iota_tokens(17).data(), 17));
+  const Snapshot before = snap(m);
+  const auto stats = m.prefix_cache_stats();
+  PA_CHECK_THROWS(add(m, 2, iota_tokens(17)), OutOfBlocks);
+  PA_CHECK(snap(m) == before);
+  PA_CHECK_EQ(m.prefix_cache_stats().queried_tokens, stats.queried_tokens);
+  PA_CHECK(m.can_allocate(iota_tokens(16).data(), 16));
+  PA_CHECK_EQ(add(m, 2, iota_tokens(16)), 8);
+  PA_CHECK_EQ(m.num_available_blocks(), 0);
+  m.check_invariants();
+}
+
+PA_TEST(step_outputs_and_chunked_prefill) {
+  BlockManager m = make(32, 4);
+  add(m, 10, iota_tokens(10));
+  add(m, 11, iota_tokens(3));
+  const std::int64_t ids[] = {10, 11};
+  const std::int64_t q[] = {6, 3};
+  StepRequest r;
+  r.seq_ids = ids;
+  r.num_seqs = 2;
+  r.query_lens = q;
+  const auto shape = m.plan_step(r);
+  PA_CHECK_EQ(shape.num_tokens, 9);
+  PA_CHECK_EQ(shape.max_blocks, 3);
+  std::vector<std::int32_t> bt(2 * 5), sl(2), cl(2), qs(3);
+  std::vector<std::int64_t> sm(9);
+  auto v_bt = pagedattn::make_view(bt.data(), DType::kInt32, {2, 5});
+  auto v_sl = pagedattn::make_view(sl.data(), DType::kInt32, {2});
+  auto v_cl = pagedattn::make_view(cl.data(), DType::kInt32, {2});
+  auto v_qs = pagedattn::make_view(qs.data(), DType::kInt32, {3});
+  auto v_sm = pagedattn::make_view(sm.data(), DType::kInt64, {9});
+  StepOutputs out;
+  out.block_tables = &v_bt;
+  out.seq_lens = &v_sl;
+  out.context_lens = &v_cl;
+  out.query_start_loc = &v_qs;
+  out.slot_mapping = &v_sm;
+  out.pad = -7;
+  m.step(r, out);
+  PA_CHECK_EQ(sl[0], 6);
+  PA_CHECK_EQ(sl[1], 3);
+  PA_CHECK_EQ(cl[0], 0);
+  PA_CHECK_EQ(qs[1], 6);
+  PA_CHECK_EQ(qs[2], 9);
+  PA_CHECK_EQ(bt[3], -7);
+  PA_CHECK_EQ(bt[5 + 1], -7);
+  const auto& t10 = m.block_table(10);
+  PA_CHECK_EQ(bt[2], t10[2]);
+  PA_CHECK_EQ(sm[5], std::int64_t(t10[1]) * 4 + 1);
+  PA_CHECK_EQ(m.num_computed(10), 6);
+  // Second chunk + a decode token for seq 11.
+  const std::int32_t tok[] = {0, 99};
+  (void)tok;
+  const std::int64_t q2[] = {4};
+  r.seq_ids = ids;
+  r.num_seqs = 1;
+  r.query_lens = q2;
+  std::vector<std::int64_t> sm2(4);
+  auto v_sm2 = pagedattn::make_view(sm2.data(), DType::kInt64, {4});
+  StepOutputs out2;
+  out2.slot_mapping = &v_sm2;
+  m.step(r, out2);
+  PA_CHECK_EQ(sm2[0], std::int64_t(t10[1]) * 4 + 2);
+  PA_CHECK_EQ(m.num_computed(10), 10);
+  // Errors: too many query tokens, short output, wrong dtype; nothing changes.
+  const std::int64_t q3[] = {1};
+  r.query_lens = q3;
+  PA_CHECK_THROWS(m.step(r, StepOutputs{}), InvalidArgument);
+  const std::int32_t newtok[] = {5};
+  r.new_tokens = newtok;
+  r.query_lens = nullptr;
+  auto v_bad = pagedattn::make_view(sm2.data(), DType::kInt64, {2});
+  StepOutputs bad;
+  bad.slot_mapping = &v_bad;
+  const Snapshot before = snap(m);
+  PA_CHECK_THROWS(m.step(r, bad), InvalidArgument);
+  auto v_f = pagedattn::make_view(sm2.data(), DType::kFloat32, {1});
+  bad.slot_mapping = &v_f;
+  PA_CHECK_THROWS(m.step(r, bad), pagedattn::TypeMismatch);
+  PA_CHECK(snap(m) == before);
+  PA_CHECK_EQ(m.seq_len(10), 10);
+  m.check_invariants();
+}
+
+PA_TEST(swap_out_and_in_share_blocks_once) {
+  BlockManager m = make(16, 4, false, 8, 0.0);
+  add(m, 1, iota_tokens(9));
+  compute_all(m, {1});
+  m.fork(1, 2);
+  add(m, 3, iota_tokens(4));
+  const auto table = m.block_table(1);
+  std::vector<std::pair<std::int32_t, std::int32_t>> out_pairs, in_pairs;
+  const std::int64_t both[] = {1, 2};
+  PA_CHECK(m.can_swap_out(both, 2));
+  m.swap_out(both, 2, out_pairs);
+  PA_CHECK_EQ(out_pairs.size(), 3u);  // shared blocks moved once
+  PA_CHECK(m.is_swapped(1));
+  PA_CHECK_EQ(m.num_free_cpu_blocks(), 5);
+  PA_CHECK_EQ(m.cpu_ref_count(out_pairs[0].second), 2);
+  PA_CHECK_EQ(out_pairs[0].first, table[0]);
+  PA_CHECK_EQ(m.num_used_blocks(), 1);
+  m.check_invariants();
+  const auto tok = iota_tokens(1);
+  PA_CHECK_THROWS(m.append_tokens(1, tok.data(), 1, nullptr), InvalidArgument);
+  // Swap only one of the two back: its blocks are copied, the other stays on the CPU.
+  const std::int64_t one[] = {2};
+  m.swap_in(one, 1, in_pairs);
+  PA_CHECK_EQ(in_pairs.size(), 3u);
+  PA_CHECK_EQ(m.num_free_cpu_blocks(), 5);
+  PA_CHECK_EQ(m.cpu_ref_count(out_pairs[0].second), 1);
+  m.check_invariants();
+  m.free(1);  // free a swapped-out sequence
+  PA_CHECK_EQ(m.num_free_cpu_blocks(), 8);
+  PA_CHECK_THROWS(m.swap_in(one, 1, in_pairs), InvalidArgument);  // not swapped
+  m.free(2);
+  m.free(3);
+  PA_CHECK_EQ(m.num_free_blocks(), 16);
+  m.check_invariants();
+}
+
+PA_TEST(swap_refuses_with_pending_copies_and_without_pool) {
+  BlockManager none = make(4, 4);
+  add(none, 1, iota_tokens(2));
+  const std::int64_t id[] = {1};
+  std::vector<std::pair<std::int32_t, std::int32_t>> pairs;
+  PA_CHECK_THROWS(none.swap_out(id, 1, pairs), InvalidArgument);
+  BlockManager m = make(8, 4, false, 8);
+  add(m, 1, iota_tokens(2));
+  compute_all(m, {1});
+  m.fork(1, 2);
+  const auto tok = iota_tokens(1);
+  m.append_tokens(2, tok.data(), 1, nullptr);
+  PA_CHECK_THROWS(m.swap_out(id, 1, pairs), InvalidArgument);
+  m.take_copy_pairs(pairs);
+  m.swap_out(id, 1, pairs);
+  PA_CHECK(m.is_swapped(1));
+}
+
+PA_TEST(sliding_window_releases_old_blocks) {
+  BlockManager m = make(16, 4, false, 0, 0.0, 6);
+  add(m, 1, iota_tokens(12));
+  compute_all(m, {1});
+  PA_CHECK_EQ(m.num_used_blocks(), 3);
+  // Next query position is 12; it attends to keys 7..12, so block 0 (0..3) can go.
+  std::vector<std::int32_t> bt(4);
+  auto v_bt = pagedattn::make_view(bt.data(), DType::kInt32, {1, 4});
+  StepOutputs out;
+  out.block_tables = &v_bt;
+  out.pad = -1;
+  const std::int64_t id[] = {1};
+  const std::int32_t tok[] = {5};
+  StepRequest r;
+  r.seq_ids = id;
+  r.num_seqs = 1;
+  r.new_tokens = tok;
+  m.step(r, out);
+  PA_CHECK_EQ(m.block_table(1)[0], -1);
+  PA_CHECK(m.block_table(1)[1] >= 0);
+  PA_CHECK_EQ(bt[0], -1);
+  PA_CHECK_EQ(m.num_used_blocks(), 3);  // released 1, took 1 for token 12
+  m.check_invariants();
+  m.free(1);
+  PA_CHECK_EQ(m.num_free_blocks(), 16);
+}
+
+PA_TEST(random_operations_keep_invariants) {
+  for (bool caching : {false, true}) {
+    BlockManager m = make(64, 4, caching, 32, 0.05);
+    std::mt19937_64 rng(caching ? 7 : 11);
+    std::vector<std::int64_t> live;
+    std::int64_t next = 0;
+    std::vector<std::pair<std::int32_t, std::int32_t>> pairs;
+    for (int it = 0; it < 3000; ++it) {
+      const int op = static_cast<int>(rng() % 7);
+      try {
+        if (op == 0 || live.empty()) {
+          const auto n = static_cast<std::int64_t>(rng() % 20);
+          std::vector<std::int32_t> t(static_cast<std::size_t>(n));
+          for (auto& x : t) x = static_cast<std::int32_t>(rng() % 3);  // tiny vocab: many prefix hits
+          m.add_sequence(next, t.data(), n);
+          live.push_back(next++);
+        } else {
+          const std::int64_t id = live[rng() % live.size()];
+          if (op == 1) {
+            const std::int32_t tok = static_cast<std::int32_t>(rng() % 3);
+            m.append_tokens(id, &tok, 1, nullptr);
+          } else if (op == 2) {
+            const std::int64_t ids[] = {id};
+            StepRequest r;
+            r.seq_ids = ids;
+            r.num_seqs = 1;
+            m.step(r, StepOutputs{});
+          } else if (op == 3) {
+            m.fork(id, next);
+            live.push_back(next++);
+          } else if (op == 4) {
+            m.free(id);
+            live.erase(std::find(live.begin(), live.end(), id));
+          } else if (op == 5) {
+            m.take_copy_pairs(pairs);
+            const std::int64_t ids[] = {id};
+            if (m.is_swapped(id))
+              m.swap_in(ids, 1, pairs);
+            else
+              m.swap_out(ids, 1, pairs);
+          } else {
+            m.take_copy_pairs(pairs);
+          }
+        }
+      } catch (const OutOfBlocks&) {
+      } catch (const InvalidArgument&) {
+      }
+      m.check_invariants();
+    }
+    for (std::int64_t id : live) m.free(id);
+    PA_CHECK_EQ(m.num_free_blocks() + m.num_cached_blocks(), 64);
+    PA_CHECK_EQ(m.num_free_cpu_blocks(), 32);
+    PA_CHECK_EQ(m.num_used_blocks(), 0);
+    m.check_invariants();
+  }
+}
+
+int main() { return pagedattn_test::run_all(); }

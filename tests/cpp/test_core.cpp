@@ -1,0 +1,220 @@
+// C++ tests of the core: tensor views, DLPack conversion, validation errors, and the CPU
+// decode and cache write against a direct double-precision computation.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <pagedattn/pagedattn.hpp>
+
+#include "check.hpp"
+
+using namespace pagedattn;
+
+namespace {
+
+// A struct shaped like DLPack's DLTensor, to exercise from_dlpack without the header.
+struct FakeDLDevice {
+  int device_type;
+  int device_id;
+};
+struct FakeDLDataType {
+  std::uint8_t code;
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct FakeDLTensor {
+  void* data;
+  FakeDLDevice device;
+  int ndim;
+  FakeDLDataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;
+  std::uint64_t byte_offset;
+};
+
+// A small float32 problem in the nhd layout with NaN in every unused slot.
+struct Problem {
+  int S = 3, H = 4, K = 2, D = 16, B = 4, M = 4, N = 12;
+  std::vector<float> q, kc, vc, out;
+  std::vector<std::int32_t> bt, lens;
+  Problem() {
+    std::mt19937 gen(1234);
+    std::normal_distribution<float> nd;
+    q.resize(static_cast<size_t>(S * H * D));
+    for (auto& v : q) v = nd(gen);
+    kc.assign(static_cast<size_t>(N * B * K * D), std::numeric_limits<float>::quiet_NaN());
+    vc = kc;
+    out.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
+    lens = {0, 5, 13};
+    bt = {7, 7, 7, 7, 3, 9, 7, 7, 11, 0, 5, 2};  // padding points at block 7 (all NaN)
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < lens[static_cast<size_t>(s)]; ++t) {
+        const int blk = bt[static_cast<size_t>(s * M + t / B)];
+        for (int h = 0; h < K; ++h)
+          for (int d = 0; d < D; ++d) {
+            const size_t i = static_cast<size_t>(((blk * B + t % B) * K + h) * D + d);
+            kc[i] = nd(gen);
+            vc[i] = nd(gen);
+          }
+      }
+  }
+  TensorView qv() { return make_view(q.data(), DType::kFloat32, {S, H, D}); }
+  TensorView ov() { return make_view(out.data(), DType::kFloat32, {S, H, D}); }
+  TensorView kv() { return make_view(kc.data(), DType::kFloat32, {N, B, K, D}); }
+  TensorView vv() { return make_view(vc.data(), DType::kFloat32, {N, B, K, D}); }
+  TensorView btv() { return make_view(bt.data(), DType::kInt32, {S, M}); }
+  TensorView lv() { return make_view(lens.data(), DType::kInt32, {S}); }
+
+  double ref(int s, int h, int d) const {
+    const int L = lens[static_cast<size_t>(s)];
+    if (L == 0) return 0.0;
+    const int kh = h / (H / K);
+    std::vector<double> logit(static_cast<size_t>(L));
+    double mx = -1e300;
+    for (int t = 0; t < L; ++t) {
+      const int blk = bt[static_cast<size_t>(s * M + t / B)];
+      double acc = 0;
+      for (int e = 0; e < D; ++e)
+        acc += static_cast<double>(q[static_cast<size_t>((s * H + h) * D + e)]) *
+               kc[static_cast<size_t>(((blk * B + t % B) * K + kh) * D + e)];
+      logit[static_cast<size_t>(t)] = acc / std::sqrt(static_cast<double>(D));
+      mx = std::max(mx, logit[static_cast<size_t>(t)]);
+    }
+    double sum = 0, o = 0;
+    for (int t = 0; t < L; ++t) {
+      const int blk = bt[static_cast<size_t>(s * M + t / B)];
+      const double p = std::exp(logit[static_cast<size_t>(t)] - mx);
+      sum += p;
+      o += p * vc[static_cast<size_t>(((blk * B + t % B) * K + kh) * D + d)];
+    }
+    return o / sum;
+  }
+};
+
+}  // namespace
+
+PA_TEST(view_contiguity_and_shape_str) {
+  float buf[24];
+  TensorView v = make_view(buf, DType::kFloat32, {2, 3, 4});
+  PA_CHECK(v.is_contiguous());
+  PA_CHECK_EQ(v.numel(), 24);
+  PA_CHECK_EQ(v.shape_str(), std::string("[2, 3, 4]"));
+  v.strides[1] = 8;
+  PA_CHECK(!v.is_contiguous());
+}
+
+PA_TEST(from_dlpack_reads_all_fields) {
+  float buf[12];
+  std::int64_t shape[2] = {3, 4};
+  std::int64_t strides[2] = {4, 1};
+  FakeDLTensor t{buf, {1, 0}, 2, {4, 16, 1}, shape, strides, 8};
+  TensorView v = from_dlpack(t);
+  PA_CHECK(v.dtype == DType::kBFloat16);
+  PA_CHECK(v.device == DeviceKind::kCPU);
+  PA_CHECK_EQ(v.size(0), 3);
+  PA_CHECK_EQ(v.stride(0), 4);
+  PA_CHECK(v.data == reinterpret_cast<char*>(buf) + 8);
+  FakeDLTensor no_strides{buf, {2, 1}, 2, {2, 32, 1}, shape, nullptr, 0};
+  TensorView w = from_dlpack(no_strides);
+  PA_CHECK(w.device == DeviceKind::kCUDA && w.device_id == 1 && w.dtype == DType::kFloat32);
+  PA_CHECK_EQ(w.stride(0), 4);
+  PA_CHECK_EQ(w.stride(1), 1);
+}
+
+PA_TEST(cpu_decode_matches_double_reference) {
+  Problem p;
+  paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv());
+  for (int s = 0; s < p.S; ++s)
+    for (int h = 0; h < p.H; ++h)
+      for (int d = 0; d < p.D; ++d) {
+        const double got = p.out[static_cast<size_t>((s * p.H + h) * p.D + d)];
+        const double want = p.ref(s, h, d);
+        if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+          PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
+      }
+}
+
+PA_TEST(validation_errors_are_typed) {
+  Problem p;
+  std::vector<std::int64_t> bt64(p.bt.begin(), p.bt.end());
+  TensorView bad_bt = make_view(bt64.data(), DType::kInt64, {p.S, p.M});
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), bad_bt, p.lv()), TypeMismatch);
+  p.bt[static_cast<size_t>(2 * p.M + 1)] = 99;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), OutOfRange);
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), std::out_of_range);
+  Problem p2;
+  TensorView q2 = make_view(p2.q.data(), DType::kFloat32, {p2.S, p2.H, p2.D / 2});
+  PA_CHECK_THROWS(paged_attention(p2.ov(), q2, p2.kv(), p2.vv(), p2.btv(), p2.lv()), InvalidArgument);
+  DecodeOptions opt;
+  opt.version = 7;
+  PA_CHECK_THROWS(paged_attention(p2.ov(), p2.qv(), p2.kv(), p2.vv(), p2.btv(), p2.lv(), opt), std::invalid_argument);
+  try {
+    paged_attention(p2.ov(), p2.qv(), p2.kv(), p2.vv(), p2.btv(), p2.lv(), opt);
+  } catch (const InvalidArgument& e) {
+    PA_CHECK(std::string(e.what()).find("version") != std::string::npos);
+  }
+}
+
+PA_TEST(reshape_and_cache_then_decode_roundtrip_vllm_layout) {
+  // Write keys/values with reshape_and_cache into the vllm layout, then decode one
+  // sequence and compare with the nhd problem's reference (same tokens).
+  Problem p;
+  const int x = 4;  // 16 / sizeof(float)
+  std::vector<float> kc(static_cast<size_t>(p.N * p.K * p.D * p.B), std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> vc = kc;
+  const int s = 2, L = p.lens[2];
+  std::vector<float> k(static_cast<size_t>(L * p.K * p.D)), v(k.size());
+  std::vector<std::int64_t> slots(static_cast<size_t>(L));
+  for (int t = 0; t < L; ++t) {
+    const int blk = p.bt[static_cast<size_t>(s * p.M + t / p.B)];
+    slots[static_cast<size_t>(t)] = static_cast<std::int64_t>(blk) * p.B + t % p.B;
+    for (int h = 0; h < p.K; ++h)
+      for (int d = 0; d < p.D; ++d) {
+        const size_t src = static_cast<size_t>(((blk * p.B + t % p.B) * p.K + h) * p.D + d);
+        k[static_cast<size_t>((t * p.K + h) * p.D + d)] = p.kc[src];
+        v[static_cast<size_t>((t * p.K + h) * p.D + d)] = p.vc[src];
+      }
+  }
+  TensorView kcv = make_view(kc.data(), DType::kFloat32, {p.N, p.K, p.D / x, p.B, x});
+  TensorView vcv = make_view(vc.data(), DType::kFloat32, {p.N, p.K, p.D, p.B});
+  reshape_and_cache(make_view(k.data(), DType::kFloat32, {L, p.K, p.D}),
+                    make_view(v.data(), DType::kFloat32, {L, p.K, p.D}), kcv, vcv,
+                    make_view(slots.data(), DType::kInt64, {L}));
+  std::vector<float> out(static_cast<size_t>(p.H * p.D));
+  paged_attention(make_view(out.data(), DType::kFloat32, {1, p.H, p.D}),
+                  make_view(p.q.data() + s * p.H * p.D, DType::kFloat32, {1, p.H, p.D}), kcv, vcv,
+                  make_view(p.bt.data() + s * p.M, DType::kInt32, {1, p.M}),
+                  make_view(p.lens.data() + s, DType::kInt32, {1}));
+  for (int h = 0; h < p.H; ++h)
+    for (int d = 0; d < p.D; ++d) {
+      const double want = p.ref(s, h, d);
+      const double got = out[static_cast<size_t>(h * p.D + d)];
+      if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+        PA_FAIL_AT("h=" << h << " d=" << d << ": " << got << " vs " << want);
+    }
+}
+
+PA_TEST(kv_cache_shape_layouts) {
+  CacheShapes s = kv_cache_shape(10, 16, 8, 128, 2, CacheLayout::kVLLM);
+  PA_CHECK_EQ(s.key_ndim, 5);
+  PA_CHECK_EQ(s.key[2], 16);
+  PA_CHECK_EQ(s.key[4], 8);
+  PA_CHECK_EQ(s.value[2], 128);
+  PA_CHECK_THROWS(kv_cache_shape(10, 16, 8, 100, 2, CacheLayout::kVLLM), InvalidArgument);
+  CacheShapes n = kv_cache_shape(10, 16, 8, 100, 2, CacheLayout::kNHD);
+  PA_CHECK_EQ(n.key_ndim, 4);
+  PA_CHECK_EQ(n.value[3], 100);
+}
+
+PA_TEST(parsers_reject_unknown_names) {
+  PA_CHECK(parse_layout("nhd") == CacheLayout::kNHD);
+  PA_CHECK_THROWS(parse_layout("hnd"), InvalidArgument);
+  PA_CHECK(parse_kv_cache_dtype("fp8") == KVCacheDType::kFp8E4M3);
+  PA_CHECK_THROWS(parse_kv_cache_dtype("fp4"), InvalidArgument);
+  PA_CHECK(parse_dtype("bfloat16") == DType::kBFloat16);
+  PA_CHECK_THROWS(parse_dtype("complex64"), InvalidArgument);
+}
+
+int main() { return pagedattn_test::run_all(); }
