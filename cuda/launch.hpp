@@ -3,6 +3,9 @@
 // cpp/src/no_cuda.cpp defines them to throw NotSupported.
 #pragma once
 
+#include <cstddef>
+
+#include "pagedattn/cache_ops.hpp"
 #include "pagedattn/params.hpp"
 
 namespace pagedattn::cuda_backend {
@@ -10,5 +13,13 @@ namespace pagedattn::cuda_backend {
 // All arguments validated; pointers are device pointers; stream is a cudaStream_t.
 void paged_attention(const DecodeParams& p, void* stream);
 void reshape_and_cache(const CacheWriteParams& p, void* stream);
+
+// Device scratch bytes paged_attention(p) needs (0 when it runs single-pass). Reads
+// only host-known sizes of p (never seq_lens or the arrays' contents).
+std::size_t decode_workspace_bytes(const DecodeParams& p);
+// One launch over every array and pair (cuda/cache_kernels.cu).
+void copy_blocks(const CopyBlocksParams& p, void* stream);
+// cudaMemcpyAsync per run of consecutive pairs; mapping in host memory.
+void swap_blocks(const SwapBlocksParams& p, void* stream);
 
 }  // namespace pagedattn::cuda_backend

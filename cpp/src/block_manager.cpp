@@ -663,9 +663,12 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   // Nothing below can fail.
   std::int64_t t = 0;  // tokens scheduled so far
   if (out.query_start_loc) put32(out.query_start_loc, 0, 0);
+  if (req.new_tokens)  // all allocations first, then the schedule (which may register blocks)
+    for (std::int64_t i = 0; i < n; ++i)
+      append_into(seqs_[static_cast<std::size_t>(scratch_idx_[static_cast<std::size_t>(i)])], req.new_tokens + i, 1,
+                  nullptr);
   for (std::int64_t i = 0; i < n; ++i) {
     Seq& s = seqs_[static_cast<std::size_t>(scratch_idx_[static_cast<std::size_t>(i)])];
-    if (req.new_tokens) append_into(s, req.new_tokens + i, 1, nullptr);
     const auto len = static_cast<std::int64_t>(s.tokens.size());
     const std::int64_t ctx = s.num_computed;
     const std::int64_t q = req.query_lens ? req.query_lens[i] : len - ctx;

@@ -13,6 +13,7 @@
 
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
+#include "cpu_simd.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn::cpu {
@@ -31,7 +32,7 @@ Scratch& scratch() {
   return s;
 }
 
-void decode_task(const DecodeParams& p, int seq, int kv_head) {
+PAGEDATTN_HOT void decode_task(const DecodeParams& p, int seq, int kv_head) {
   const int G = p.num_heads / p.num_kv_heads;
   const int D = p.head_size;
   const int B = p.block_size;

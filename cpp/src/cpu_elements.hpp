@@ -9,6 +9,10 @@
 
 namespace pagedattn::cpu {
 
+// float16 -> float32 for a row: hardware conversion (F16C) where the CPU has it,
+// else a table lookup. Defined in cpu_simd.cpp.
+void half_to_float_row(const std::uint16_t* src, float* dst, int n);
+
 // Reads n elements of the given storage type starting at src into dst (as float),
 // multiplied by `scale` (1 for non-fp8 types).
 inline void load_row(const void* src, DType dtype, KVCacheDType kv, float scale, int n, float* dst) {
@@ -24,11 +28,9 @@ inline void load_row(const void* src, DType dtype, KVCacheDType kv, float scale,
       for (int i = 0; i < n; ++i) dst[i] = s[i];
       return;
     }
-    case DType::kFloat16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
-      for (int i = 0; i < n; ++i) dst[i] = numeric::half_to_float(s[i]);
+    case DType::kFloat16:
+      half_to_float_row(static_cast<const std::uint16_t*>(src), dst, n);
       return;
-    }
     case DType::kBFloat16: {
       const auto* s = static_cast<const std::uint16_t*>(src);
       for (int i = 0; i < n; ++i) dst[i] = numeric::bf16_to_float(s[i]);

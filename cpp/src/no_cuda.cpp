@@ -13,6 +13,15 @@ void paged_attention(const DecodeParams&, void*) {
 void reshape_and_cache(const CacheWriteParams&, void*) {
   fail<NotSupported>("reshape_and_cache: this build of pagedattn has no CUDA backend (built without nvcc)");
 }
+std::size_t decode_workspace_bytes(const DecodeParams&) {
+  fail<NotSupported>("decode_workspace_size: this build of pagedattn has no CUDA backend (built without nvcc)");
+}
+void copy_blocks(const CopyBlocksParams&, void*) {
+  fail<NotSupported>("copy_blocks: this build of pagedattn has no CUDA backend (built without nvcc)");
+}
+void swap_blocks(const SwapBlocksParams&, void*) {
+  fail<NotSupported>("swap_blocks: this build of pagedattn has no CUDA backend (built without nvcc)");
+}
 
 }  // namespace cuda_backend
 }  // namespace pagedattn

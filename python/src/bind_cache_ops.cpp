@@ -1,6 +1,66 @@
-// Filled in by the cache-operations work (copy_blocks, swap_blocks).
+// Bindings of the block operations (copy_blocks, swap_blocks) and of the CUDA decode
+// workspace-size query.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
 #include "bindings.hpp"
+#include "ndarray.hpp"
+#include "pagedattn/cache_ops.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace pagedattn::py {
-void bind_cache_ops(nanobind::module_&) {}
+
+void bind_cache_ops(nb::module_& m) {
+  m.def(
+      "copy_blocks",
+      [](const std::vector<AnyMutArray>& caches, AnyArray block_mapping, std::uintptr_t stream) {
+        std::vector<TensorView> views;
+        views.reserve(caches.size());
+        for (const auto& c : caches) views.push_back(to_view(c));
+        const TensorView mv = to_view(block_mapping);
+        nb::gil_scoped_release release;
+        copy_blocks(views, mv, to_stream(stream));
+      },
+      "caches"_a, "block_mapping"_a.noconvert(), "stream"_a = 0,
+      "Low-level block copy (validated in C++). Use pagedattn.copy_blocks.");
+
+  m.def(
+      "swap_blocks",
+      [](AnyArray src, AnyMutArray dst, AnyArray block_mapping, std::uintptr_t stream) {
+        const TensorView s = to_view(src), d = to_view(dst), mv = to_view(block_mapping);
+        nb::gil_scoped_release release;
+        swap_blocks(s, d, mv, to_stream(stream));
+      },
+      "src"_a.noconvert(), "dst"_a.noconvert(), "block_mapping"_a.noconvert(), "stream"_a = 0,
+      "Low-level block swap (validated in C++). Use pagedattn.swap_blocks.");
+
+  m.def(
+      "decode_workspace_size",
+      [](int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
+         const std::string& dtype, const std::string& kv_cache_dtype, const std::string& layout, int version,
+         int partition_size, int device_id) {
+        DecodeWorkspaceQuery q;
+        q.num_seqs = num_seqs;
+        q.num_heads = num_heads;
+        q.num_kv_heads = num_kv_heads;
+        q.head_size = head_size;
+        q.block_size = block_size;
+        q.max_blocks_per_seq = max_blocks_per_seq;
+        q.dtype = parse_dtype(dtype);
+        q.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+        q.layout = parse_layout(layout);
+        q.version = version;
+        q.partition_size = partition_size;
+        q.device_id = device_id;
+        return decode_workspace_size(q);
+      },
+      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
+      "dtype"_a, "kv_cache_dtype"_a = "auto", "layout"_a = "vllm", "version"_a = 0, "partition_size"_a = 0,
+      "device_id"_a = 0, "Bytes of CUDA scratch paged_attention needs for these shapes (0: none).");
+}
+
 }  // namespace pagedattn::py

@@ -3,6 +3,7 @@
 
 #include "pagedattn/attention.hpp"
 #include "pagedattn/block_manager.hpp"
+#include "pagedattn/cache_ops.hpp"
 #include "pagedattn/errors.hpp"
 #include "pagedattn/params.hpp"
 #include "pagedattn/supported.hpp"

@@ -1,0 +1,229 @@
+// Cache-write and block-move kernels: reshape_and_cache (both layouts, fp8 with scale),
+// copy_blocks (every array, every pair, one launch) and swap_blocks (async copies).
+// Each host launcher below is the only place that knows its kernel's grid.
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/launch.hpp"
+
+namespace pagedattn::cuda_backend {
+namespace {
+
+// ---------------------------------------------------------------------------------
+// reshape_and_cache
+// ---------------------------------------------------------------------------------
+struct CacheWriteKernelParams {
+  const void* key;  // [T, K, D]
+  std::int64_t k_stride_tok, k_stride_head;
+  const void* value;  // [T, K, D]
+  std::int64_t v_stride_tok, v_stride_head;
+  void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
+  void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D]
+  const void* slot_mapping;  // [T] int32 / int64
+  bool slot_int64;
+  int num_kv_heads, head_size, block_size, x;
+  std::int64_t num_blocks;
+  float inv_k_scale, inv_v_scale;  // fp8: stored = real * (1 / scale)
+};
+
+template <class T, class CT, Fp8 F>
+__device__ __forceinline__ CT encode(float v, float inv_scale) {
+  if constexpr (F == Fp8::kNone) return from_float<CT>(v);
+  else return float_to_fp8<F>(v * inv_scale);
+}
+
+// One CTA per token; threads walk (head, dim) of key and value.
+template <class T, Fp8 F, CacheLayout L>
+__global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKernelParams p) {
+  using CT = std::conditional_t<F == Fp8::kNone, T, std::uint8_t>;
+  const std::int64_t t = blockIdx.x;
+  const std::int64_t slot = p.slot_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
+                                         : static_cast<const std::int32_t*>(p.slot_mapping)[t];
+  // Negative slots are padding; slots past the cache cannot be checked on the host
+  // without a sync and are skipped, so the kernel never writes outside the cache.
+  if (slot < 0 || slot >= p.num_blocks * p.block_size) return;
+  const std::int64_t blk = slot / p.block_size;
+  const int off = static_cast<int>(slot % p.block_size);
+  const int K = p.num_kv_heads, D = p.head_size, B = p.block_size;
+  for (int i = threadIdx.x; i < K * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    const float kv = to_float(static_cast<const T*>(p.key)[t * p.k_stride_tok + h * p.k_stride_head + d]);
+    const float vv = to_float(static_cast<const T*>(p.value)[t * p.v_stride_tok + h * p.v_stride_head + d]);
+    std::int64_t ki, vi;
+    if constexpr (L == CacheLayout::kVLLM) {
+      ki = (((blk * K + h) * (D / p.x) + d / p.x) * B + off) * p.x + d % p.x;
+      vi = ((blk * K + h) * D + d) * B + off;
+    } else {
+      ki = vi = ((blk * B + off) * K + h) * static_cast<std::int64_t>(D) + d;
+    }
+    static_cast<CT*>(p.key_cache)[ki] = encode<T, CT, F>(kv, p.inv_k_scale);
+    static_cast<CT*>(p.value_cache)[vi] = encode<T, CT, F>(vv, p.inv_v_scale);
+  }
+}
+
+template <class T>
+const void* pick_cache_kernel(KVCacheDType kv, CacheLayout l) {
+  const bool vllm = l == CacheLayout::kVLLM;
+  switch (kv) {
+    case KVCacheDType::kAuto:
+      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kNone, CacheLayout::kVLLM>)
+                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kNone, CacheLayout::kNHD>);
+    case KVCacheDType::kFp8E4M3:
+      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE4M3, CacheLayout::kVLLM>)
+                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE4M3, CacheLayout::kNHD>);
+    case KVCacheDType::kFp8E5M2:
+      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE5M2, CacheLayout::kVLLM>)
+                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE5M2, CacheLayout::kNHD>);
+  }
+  fail<InvalidArgument>("kv_cache_dtype: unknown value ", static_cast<int>(kv));
+}
+
+// ---------------------------------------------------------------------------------
+// copy_blocks
+// ---------------------------------------------------------------------------------
+constexpr int kMaxCopyArrays = 512;
+constexpr int kMaxInlinePairs = 2048;
+
+struct CopyBlocksKernelParams {
+  char* arrays[kMaxCopyArrays];
+  std::int64_t block_bytes[kMaxCopyArrays];  // shared by all when `uniform`
+  std::int64_t num_blocks[kMaxCopyArrays];
+  std::int32_t inline_pairs[kMaxInlinePairs][2];  // host mapping, copied with the launch
+  const void* mapping;                            // device mapping [P, 2] or null
+  bool mapping_int64;
+  bool vec16;  // every block and base 16-byte aligned
+};
+static_assert(sizeof(CopyBlocksKernelParams) < 32000, "kernel parameters are limited to 32 KB");
+
+// grid (pairs, arrays); threads copy one block of one array.
+__global__ void copy_blocks_kernel(const __grid_constant__ CopyBlocksKernelParams p) {
+  const std::int64_t pair = blockIdx.x;
+  const int a = blockIdx.y;
+  std::int64_t src, dst;
+  if (p.mapping) {
+    if (p.mapping_int64) {
+      src = static_cast<const std::int64_t*>(p.mapping)[2 * pair];
+      dst = static_cast<const std::int64_t*>(p.mapping)[2 * pair + 1];
+    } else {
+      src = static_cast<const std::int32_t*>(p.mapping)[2 * pair];
+      dst = static_cast<const std::int32_t*>(p.mapping)[2 * pair + 1];
+    }
+  } else {
+    src = p.inline_pairs[pair][0];
+    dst = p.inline_pairs[pair][1];
+  }
+  const std::int64_t n = p.num_blocks[a];
+  if (src < 0 || src >= n || dst < 0 || dst >= n) return;  // device mapping: skip bad pairs
+  const std::int64_t bytes = p.block_bytes[a];
+  const char* s = p.arrays[a] + src * bytes;
+  char* d = p.arrays[a] + dst * bytes;
+  if (p.vec16) {
+    const auto* s4 = reinterpret_cast<const uint4*>(s);
+    auto* d4 = reinterpret_cast<uint4*>(d);
+    for (std::int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (std::int64_t i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+  }
+}
+
+}  // namespace
+
+void reshape_and_cache(const CacheWriteParams& p, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(p.device_id);
+  if (p.num_tokens == 0) return;
+  if (p.num_tokens > 0x7fffffff) fail<NotSupported>("reshape_and_cache (CUDA): too many tokens: ", p.num_tokens);
+  CacheWriteKernelParams k{};
+  k.key = p.key;
+  k.k_stride_tok = p.k_stride_tok;
+  k.k_stride_head = p.k_stride_head;
+  k.value = p.value;
+  k.v_stride_tok = p.v_stride_tok;
+  k.v_stride_head = p.v_stride_head;
+  k.key_cache = p.key_cache;
+  k.value_cache = p.value_cache;
+  k.slot_mapping = p.slot_mapping;
+  k.slot_int64 = p.slot_mapping_int64;
+  k.num_kv_heads = p.num_kv_heads;
+  k.head_size = p.head_size;
+  k.block_size = p.block_size;
+  k.x = static_cast<int>(16 / cache_elem_size(p.dtype, p.kv_cache_dtype));
+  k.num_blocks = p.num_blocks;
+  k.inv_k_scale = 1.0f / p.k_scale;
+  k.inv_v_scale = 1.0f / p.v_scale;
+  const void* fn = nullptr;
+  switch (p.dtype) {
+    case DType::kFloat32: fn = pick_cache_kernel<float>(p.kv_cache_dtype, p.layout); break;
+    case DType::kFloat16: fn = pick_cache_kernel<__half>(p.kv_cache_dtype, p.layout); break;
+    case DType::kBFloat16: fn = pick_cache_kernel<__nv_bfloat16>(p.kv_cache_dtype, p.layout); break;
+    default:
+      fail<NotSupported>("reshape_and_cache (CUDA): dtype ", dtype_name(p.dtype), " is not supported; supported: ",
+                         supported::dtypes_str());
+  }
+  const int threads = std::min(256, std::max(32, (p.num_kv_heads * p.head_size + 31) / 32 * 32));
+  void* args[] = {&k};
+  check_cuda(cudaLaunchKernel(fn, dim3(static_cast<unsigned>(p.num_tokens)), dim3(threads), args, 0, stream),
+             "reshape_and_cache: kernel launch");
+  check_launch("reshape_and_cache");
+}
+
+void copy_blocks(const CopyBlocksParams& p, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(p.device_id);
+  const auto n = static_cast<int>(p.arrays.size());
+  if (n == 0 || p.num_pairs == 0) return;
+  if (n > kMaxCopyArrays)
+    fail<NotSupported>("copy_blocks (CUDA): at most ", kMaxCopyArrays, " arrays per call, got ", n);
+  if (p.mapping_on_host && p.num_pairs > kMaxInlinePairs)
+    fail<NotSupported>("copy_blocks (CUDA): a host block_mapping holds at most ", kMaxInlinePairs,
+                       " pairs per call, got ", p.num_pairs, "; pass the mapping on the caches' device");
+  if (p.num_pairs > 0x7fffffff) fail<NotSupported>("copy_blocks (CUDA): too many pairs: ", p.num_pairs);
+  // The struct is large (the kernel-parameter space): keep it off the stack.
+  static thread_local CopyBlocksKernelParams k;
+  k.vec16 = true;
+  for (int i = 0; i < n; ++i) {
+    k.arrays[i] = static_cast<char*>(p.arrays[static_cast<std::size_t>(i)]);
+    k.block_bytes[i] = p.block_bytes[static_cast<std::size_t>(i)];
+    k.num_blocks[i] = p.num_blocks[static_cast<std::size_t>(i)];
+    if (k.block_bytes[i] % 16 != 0 || reinterpret_cast<std::uintptr_t>(k.arrays[i]) % 16 != 0) k.vec16 = false;
+  }
+  k.mapping_int64 = p.mapping_int64;
+  if (p.mapping_on_host) {
+    k.mapping = nullptr;
+    for (std::int64_t i = 0; i < p.num_pairs; ++i)
+      for (int j = 0; j < 2; ++j)
+        k.inline_pairs[i][j] = p.mapping_int64
+                                   ? static_cast<std::int32_t>(static_cast<const std::int64_t*>(p.mapping)[2 * i + j])
+                                   : static_cast<const std::int32_t*>(p.mapping)[2 * i + j];
+  } else {
+    k.mapping = p.mapping;
+  }
+  void* args[] = {&k};
+  check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(&copy_blocks_kernel),
+                              dim3(static_cast<unsigned>(p.num_pairs), static_cast<unsigned>(n)), dim3(256), args, 0,
+                              stream),
+             "copy_blocks: kernel launch");
+  check_launch("copy_blocks");
+}
+
+void swap_blocks(const SwapBlocksParams& p, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(p.device_id);
+  auto at = [&](std::int64_t i, int j) -> std::int64_t {
+    return p.mapping_int64 ? static_cast<const std::int64_t*>(p.mapping)[2 * i + j]
+                           : static_cast<const std::int32_t*>(p.mapping)[2 * i + j];
+  };
+  std::int64_t i = 0;
+  while (i < p.num_pairs) {
+    // Merge a run of consecutive pairs (src, dst), (src+1, dst+1), ... into one copy.
+    std::int64_t run = 1;
+    while (i + run < p.num_pairs && at(i + run, 0) == at(i, 0) + run && at(i + run, 1) == at(i, 1) + run) ++run;
+    const char* s = static_cast<const char*>(p.src) + at(i, 0) * p.block_bytes;
+    char* d = static_cast<char*>(p.dst) + at(i, 1) * p.block_bytes;
+    check_cuda(cudaMemcpyAsync(d, s, static_cast<std::size_t>(run * p.block_bytes), cudaMemcpyDefault, stream),
+               "swap_blocks: cudaMemcpyAsync");
+    i += run;
+  }
+}
+
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,380 @@
+// Host side of the decode kernel family: the one place that chooses the kernel, the
+// single-pass or partitioned form, the partition size and the grid; owns the v2
+// scratch pool and the device error record.
+//
+// Partitioned (v2) scratch, per call: [S, H, NP, D] float partial outputs plus
+// [S, H, NP] max logits and exp-sums (decode_workspace_bytes). It comes from the
+// caller's `workspace` when given, else from a pool kept per (device, stream) that only
+// grows, outside graph capture. Inside capture a pool that is too small is an error
+// (allocation would break the capture): pass `workspace`, or run the same shapes once
+// eagerly on that stream first. No call synchronises the host, except with
+// check_block_tables (which must read the device error record back).
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "cuda/decode_common.cuh"
+#include "cuda/decode_inst.cuh"
+#include "cuda/launch.hpp"
+
+namespace pagedattn::cuda_backend {
+
+// ---------------------------------------------------------------------------------
+// Device properties, capture state
+// ---------------------------------------------------------------------------------
+const DeviceInfo& device_info(int device) {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  DeviceInfo info;
+  check_cuda(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+             "cudaDeviceGetAttribute");
+  return cache.emplace(device, info).first->second;
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing");
+  return st != cudaStreamCaptureStatusNone;
+}
+
+namespace {
+
+__device__ DeviceErrorRecord g_decode_error;
+
+DeviceErrorRecord* error_record(int device) {
+  static std::mutex mu;
+  static std::map<int, DeviceErrorRecord*> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  void* ptr = nullptr;
+  check_cuda(cudaGetSymbolAddress(&ptr, g_decode_error), "cudaGetSymbolAddress");
+  return cache.emplace(device, static_cast<DeviceErrorRecord*>(ptr)).first->second;
+}
+
+// Per-kernel, per-device setup done once: the dynamic shared-memory limit, and the
+// number of CTAs that fit on one multiprocessor.
+int prepare_kernel(const DecodeKernelInfo& k, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(k.func, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (k.smem > device_info(device).max_smem_per_block)
+    fail<NotSupported>("paged_attention: this kernel needs ", k.smem, " bytes of shared memory, the device allows ",
+                       device_info(device).max_smem_per_block);
+  check_cuda(cudaFuncSetAttribute(k.func, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem),
+             "cudaFuncSetAttribute");
+  int occ = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k.func, k.threads, k.smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return cache.emplace(key, std::max(occ, 1)).first->second;
+}
+
+// A scratch buffer per (device, stream) that only grows (outside capture).
+void* pool_scratch(int device, cudaStream_t stream, std::size_t bytes) {
+  struct Buffer {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+  };
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, Buffer> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  Buffer& b = pools[std::make_pair(device, stream)];
+  if (b.bytes >= bytes) return b.ptr;
+  if (stream_is_capturing(stream))
+    fail<InvalidArgument>("paged_attention: the partitioned kernel needs ", bytes,
+                          " bytes of scratch, more than this stream's pool holds (", b.bytes,
+                          "), and memory cannot be allocated during CUDA graph capture; pass workspace= (a uint8 "
+                          "device array of decode_workspace_size(...) bytes) or run the same shapes once before "
+                          "capturing");
+  if (b.ptr) check_cuda(cudaFree(b.ptr), "cudaFree");  // synchronises: in-flight users finish first
+  b.ptr = nullptr;
+  b.bytes = 0;
+  const std::size_t want = std::max<std::size_t>(bytes + bytes / 4, std::size_t{4} << 20);
+  check_cuda(cudaMalloc(&b.ptr, want), "cudaMalloc (paged_attention scratch)");
+  b.bytes = want;
+  return b.ptr;
+}
+
+template <class T>
+__global__ void decode_reduce_kernel(const __grid_constant__ DecodeKernelParams p) {
+  extern __shared__ float wts[];  // [NP]
+  __shared__ float red[32];
+  const int h = blockIdx.x, s = blockIdx.y;
+  const int D = p.head_size;
+  T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
+  const int len = __ldg(p.seq_lens + s);
+  if (len <= 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = from_float<T>(len == 0 ? 0.f : NAN);
+    return;
+  }
+  const int np = (len + p.partition_size - 1) / p.partition_size;
+  const std::int64_t row0 = (static_cast<std::int64_t>(s) * p.num_heads + h) * p.num_partitions;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) mx = fmaxf(mx, p.part_max[row0 + i]);
+  mx = warp_max(mx);
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < nwarps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    const float w = exp2f(p.part_max[row0 + i] - mx);
+    wts[i] = w;
+    sum += w * p.part_sum[row0 + i];
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < nwarps; ++w) sum += red[w];
+  const float inv = 1.f / sum;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < np; ++i) o += wts[i] * p.part_out[(row0 + i) * D + d];
+    out[d] = from_float<T>(o * inv);
+  }
+}
+
+DecodeKernelInfo select_kernel(const DecodeParams& p) {
+  const int d = p.head_size;
+  switch (p.dtype) {
+    case DType::kFloat16:
+      switch (p.kv_cache_dtype) {
+        case KVCacheDType::kAuto: return decode_kernel<__half, Fp8::kNone>(d, p.layout);
+        case KVCacheDType::kFp8E4M3: return decode_kernel<__half, Fp8::kE4M3>(d, p.layout);
+        case KVCacheDType::kFp8E5M2: return decode_kernel<__half, Fp8::kE5M2>(d, p.layout);
+      }
+      break;
+    case DType::kBFloat16:
+      switch (p.kv_cache_dtype) {
+        case KVCacheDType::kAuto: return decode_kernel<__nv_bfloat16, Fp8::kNone>(d, p.layout);
+        case KVCacheDType::kFp8E4M3: return decode_kernel<__nv_bfloat16, Fp8::kE4M3>(d, p.layout);
+        case KVCacheDType::kFp8E5M2: return decode_kernel<__nv_bfloat16, Fp8::kE5M2>(d, p.layout);
+      }
+      break;
+    case DType::kFloat32:
+      switch (p.kv_cache_dtype) {
+        case KVCacheDType::kAuto: return decode_kernel<float, Fp8::kNone>(d, p.layout);
+        case KVCacheDType::kFp8E4M3: return decode_kernel<float, Fp8::kE4M3>(d, p.layout);
+        case KVCacheDType::kFp8E5M2: return decode_kernel<float, Fp8::kE5M2>(d, p.layout);
+      }
+      break;
+    default: break;
+  }
+  fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " with kv_cache_dtype \"",
+                     kv_cache_dtype_name(p.kv_cache_dtype), "\" is not supported; dtypes: ", supported::dtypes_str());
+}
+
+const void* reduce_kernel(DType t) {
+  switch (t) {
+    case DType::kFloat16: return reinterpret_cast<const void*>(&decode_reduce_kernel<__half>);
+    case DType::kBFloat16: return reinterpret_cast<const void*>(&decode_reduce_kernel<__nv_bfloat16>);
+    case DType::kFloat32: return reinterpret_cast<const void*>(&decode_reduce_kernel<float>);
+    default: break;
+  }
+  fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(t), " is not supported");
+}
+
+constexpr int kPartitionAlign = 16;  // tokens: one warp chunk
+constexpr std::size_t kAlign = 256;
+std::size_t align_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+struct DecodePlan {
+  DecodeKernelInfo kernel;
+  int tiles = 1;
+  int num_partitions = 1;
+  int partition_size = 0;
+  bool partials = false;
+  std::size_t out_bytes = 0, stat_bytes = 0;
+  std::size_t workspace_bytes() const { return partials ? align_up(out_bytes) + 2 * align_up(stat_bytes) : 0; }
+};
+
+// Modelled time (us) of one decode with `np` partitions: waves of CTAs, each streaming
+// its partition at an even share of the memory bandwidth, plus a fixed cost per wave
+// (Q load, merge, stores) and one for the reduce launch.
+double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double bytes_per_token) {
+  const double bw_per_cta = 3.2e6 / slots;  // bytes per us: ~3.2 TB/s shared by all slots
+  const std::int64_t psize = (ctx + np - 1) / np;
+  const std::int64_t ctas = base * np;
+  const std::int64_t waves = (ctas + slots - 1) / slots;
+  const double busy = static_cast<double>(std::min<std::int64_t>(ctas, slots));
+  const double per_cta_bw = bw_per_cta * std::min(1.0, slots / busy);
+  return static_cast<double>(waves) * (static_cast<double>(psize) * bytes_per_token / per_cta_bw + 1.0) +
+         (np > 1 ? 2.0 : 0.0);
+}
+
+DecodePlan make_plan(const DecodeParams& p) {
+  DecodePlan plan;
+  plan.kernel = select_kernel(p);
+  const int slots_per_sm = prepare_kernel(plan.kernel, p.device_id);
+  const int slots = device_info(p.device_id).num_sms * slots_per_sm;
+  const int G = p.num_heads / p.num_kv_heads;
+  plan.tiles = (G + plan.kernel.rows - 1) / plan.kernel.rows;
+  const std::int64_t base = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles;
+  const std::int64_t ctx = std::max<std::int64_t>(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size, 1);
+  auto round_up = [](std::int64_t v) { return (v + kPartitionAlign - 1) / kPartitionAlign * kPartitionAlign; };
+
+  if (p.partition_size != 0 && p.partition_size % kPartitionAlign != 0)
+    fail<InvalidArgument>("partition_size: the CUDA kernels need a multiple of ", kPartitionAlign, ", got ",
+                          p.partition_size);
+  std::int64_t psize = 0;
+  if (p.version == 1) {
+    psize = round_up(ctx);
+  } else if (p.partition_size != 0) {
+    psize = p.partition_size;
+    plan.partials = p.version == 2 || psize < ctx;
+  } else {
+    const double bytes_per_token =
+        2.0 * p.head_size * static_cast<double>(cache_elem_size(p.dtype, p.kv_cache_dtype));
+    const int min_np = p.version == 2 && ctx > kPartitionAlign ? 2 : 1;
+    const int max_np = static_cast<int>(std::max<std::int64_t>(min_np, std::min<std::int64_t>(ctx / 64, 512)));
+    double best = INFINITY;
+    psize = round_up(ctx);
+    for (int np = min_np; np <= max_np; ++np) {
+      const std::int64_t ps = round_up((ctx + np - 1) / np);
+      const int np_eff = static_cast<int>((ctx + ps - 1) / ps);
+      if (np_eff < min_np) continue;
+      const double t = model_us(base, ctx, np_eff, slots, bytes_per_token);
+      if (t < best * 0.98) {  // prefer fewer partitions on near ties
+        best = t;
+        psize = ps;
+      }
+    }
+    plan.partials = p.version == 2 || psize < ctx;
+  }
+  if (psize > std::numeric_limits<int>::max() / 2) psize = std::numeric_limits<int>::max() / 2;
+  plan.partition_size = static_cast<int>(psize);
+  plan.num_partitions = static_cast<int>((ctx + psize - 1) / psize);
+  if (plan.partials) {
+    const auto rows = static_cast<std::size_t>(p.num_seqs) * static_cast<std::size_t>(p.num_heads) *
+                      static_cast<std::size_t>(plan.num_partitions);
+    plan.out_bytes = rows * static_cast<std::size_t>(p.head_size) * sizeof(float);
+    plan.stat_bytes = rows * sizeof(float);
+  }
+  return plan;
+}
+
+}  // namespace
+
+std::size_t decode_workspace_bytes(const DecodeParams& p) {
+  DeviceGuard guard(p.device_id);
+  return make_plan(p).workspace_bytes();
+}
+
+void paged_attention(const DecodeParams& p, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(p.device_id);
+  for (const void* ptr : {p.key_cache, p.value_cache})
+    if (reinterpret_cast<std::uintptr_t>(ptr) % 16 != 0)
+      fail<InvalidArgument>("paged_attention (CUDA): key_cache and value_cache must start on a 16-byte boundary");
+  if (p.num_seqs == 0) return;
+  if (p.num_seqs > 65535)
+    fail<NotSupported>("paged_attention (CUDA): at most 65535 sequences per call, got ", p.num_seqs);
+  const bool capturing = stream_is_capturing(stream);
+  if (p.check_block_tables && capturing)
+    fail<InvalidArgument>("check_block_tables=True needs a host synchronisation and cannot run during CUDA graph "
+                          "capture");
+
+  const DecodePlan plan = make_plan(p);
+  DecodeKernelParams k{};
+  k.out = p.out;
+  k.o_stride_seq = p.o_stride_seq;
+  k.o_stride_head = p.o_stride_head;
+  k.query = p.query;
+  k.q_stride_seq = p.q_stride_seq;
+  k.q_stride_head = p.q_stride_head;
+  k.key_cache = p.key_cache;
+  k.value_cache = p.value_cache;
+  k.block_tables = p.block_tables;
+  k.seq_lens = p.seq_lens;
+  k.alibi_slopes = p.alibi_slopes;
+  k.num_seqs = p.num_seqs;
+  k.num_heads = p.num_heads;
+  k.num_kv_heads = p.num_kv_heads;
+  k.head_size = p.head_size;
+  k.block_size = p.block_size;
+  k.max_blocks_per_seq = p.max_blocks_per_seq;
+  k.num_blocks = p.num_blocks;
+  k.group = p.num_heads / p.num_kv_heads;
+  k.rows_per_cta = plan.kernel.rows;
+  k.num_head_tiles = plan.tiles;
+  const float k_scale = p.kv_cache_dtype == KVCacheDType::kAuto ? 1.0f : p.k_scale;
+  k.qk_scale_log2 = p.scale * k_scale * kLog2e;
+  k.v_scale = p.kv_cache_dtype == KVCacheDType::kAuto ? 1.0f : p.v_scale;
+  k.partition_size = plan.partition_size;
+  k.num_partitions = plan.num_partitions;
+  k.error = error_record(p.device_id);
+
+  if (plan.partials) {
+    const std::size_t need = plan.workspace_bytes();
+    char* ws = nullptr;
+    if (p.workspace) {
+      if (p.workspace_bytes < need)
+        fail<InvalidArgument>("workspace: the partitioned kernel needs ", need, " bytes for these shapes, got ",
+                              p.workspace_bytes, " (see decode_workspace_size)");
+      if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0)
+        fail<InvalidArgument>("workspace: must start on a 16-byte boundary");
+      ws = static_cast<char*>(p.workspace);
+    } else {
+      ws = static_cast<char*>(pool_scratch(p.device_id, stream, need));
+    }
+    k.part_out = reinterpret_cast<float*>(ws);
+    k.part_max = reinterpret_cast<float*>(ws + align_up(plan.out_bytes));
+    k.part_sum = reinterpret_cast<float*>(ws + align_up(plan.out_bytes) + align_up(plan.stat_bytes));
+  }
+
+  if (p.check_block_tables)
+    check_cuda(cudaMemsetAsync(k.error, 0, sizeof(DeviceErrorRecord), stream), "cudaMemsetAsync");
+
+  void* args[] = {&k};
+  const dim3 grid(static_cast<unsigned>(plan.num_partitions), static_cast<unsigned>(p.num_kv_heads * plan.tiles),
+                  static_cast<unsigned>(p.num_seqs));
+  check_cuda(cudaLaunchKernel(plan.kernel.func, grid, dim3(plan.kernel.threads), args,
+                              static_cast<std::size_t>(plan.kernel.smem), stream),
+             "paged_attention: decode kernel launch");
+  check_launch("paged_attention: decode kernel");
+  if (plan.partials) {
+    const std::size_t smem = static_cast<std::size_t>(plan.num_partitions) * sizeof(float);
+    const void* red = reduce_kernel(p.dtype);
+    if (smem > 48 * 1024) {
+      static std::mutex mu;
+      std::lock_guard<std::mutex> lock(mu);
+      check_cuda(cudaFuncSetAttribute(red, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                 "cudaFuncSetAttribute");
+    }
+    check_cuda(cudaLaunchKernel(red, dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs)),
+                                dim3(128), args, smem, stream),
+               "paged_attention: reduce kernel launch");
+    check_launch("paged_attention: reduce kernel");
+  }
+
+  if (p.check_block_tables) {
+    DeviceErrorRecord rec{};
+    check_cuda(cudaMemcpyAsync(&rec, k.error, sizeof rec, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (rec.flag == 1)
+      fail<OutOfRange>("block_tables[", rec.seq, ", ", rec.index, "] = ", rec.value, " is outside [0, num_blocks = ",
+                       p.num_blocks, ") (the affected outputs were set to NaN)");
+    if (rec.flag == 2)
+      fail<OutOfRange>("seq_lens[", rec.seq, "] = ", rec.value, " is outside [0, max_blocks_per_seq * block_size = ",
+                       static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size,
+                       "] (the affected outputs were set to NaN)");
+  }
+}
+
+}  // namespace pagedattn::cuda_backend
