@@ -13,6 +13,7 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "supported",
+    "reference",
     "cmake_dir",
     "include_dir",
 ]

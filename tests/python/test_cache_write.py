@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BF16, DTYPES, dtype_id
 
 import pagedattn
+from conftest import BF16, DTYPES, dtype_id
 from pagedattn.reference import fp8_decode, reshape_and_cache_ref
 
 

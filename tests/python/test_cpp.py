@@ -59,3 +59,11 @@ def test_cpp_unit_tests_pass_under_ctest(tmp_path):
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "tests passed" in run.stdout and "0 tests failed" in run.stdout
+
+
+def test_type_stubs_are_shipped():
+    pkg = pathlib.Path(pagedattn.__file__).parent
+    assert (pkg / "py.typed").is_file()
+    stub = (pkg / "_core.pyi").read_text()
+    for name in ("def paged_attention(", "def reshape_and_cache(", "def kv_cache_shape("):
+        assert name in stub, f"{name} missing from the generated stubs"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BF16, DTYPES, assert_close, dtype_id, make_problem
 
 import pagedattn
+from conftest import BF16, DTYPES, assert_close, dtype_id, make_problem
 from pagedattn.reference import paged_attention_ref
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_problem
 
 import pagedattn
+from conftest import make_problem
 
 
 @pytest.fixture
@@ -26,7 +26,8 @@ def call(p, **over):
     "change,exc,words",
     [
         (lambda p: dict(query=p.query[0]), ValueError, ["query", "3 dimensions", "got 2"]),
-        (lambda p: dict(query=p.query.astype(np.float64)), TypeError, ["query", "float64", "float32, float16, bfloat16"]),
+        (lambda p: dict(query=p.query.astype(np.float64)), TypeError,
+         ["query", "float64", "float32, float16, bfloat16"]),
         (lambda p: dict(query=p.query.astype(np.float16)), TypeError, ["key_cache", "float32", "float16"]),
         (lambda p: dict(block_tables=p.block_tables.astype(np.int64)), TypeError, ["block_tables", "int32", "int64"]),
         (lambda p: dict(seq_lens=p.seq_lens.astype(np.int64)), TypeError, ["seq_lens", "int32", "int64"]),

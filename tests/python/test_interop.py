@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close, make_problem
 
 import pagedattn
+from conftest import assert_close, make_problem
 from pagedattn.reference import paged_attention_ref
 
 

@@ -19,7 +19,8 @@ covers at most ``(n - 1) // block_size`` blocks; admission (add_sequence, swap_i
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["ReferenceBlockManager", "ReferenceOutOfBlocks", "run_benchmarks", "simulate_memory_efficiency"]
 
@@ -62,7 +63,7 @@ class ReferenceBlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref = [0] * num_blocks
         self.free_list = list(range(num_blocks - 1, -1, -1))
-        self.lru: "OrderedDict[int, None]" = OrderedDict()  # evictable cached blocks, oldest first
+        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable cached blocks, oldest first
         self.cache: Dict[int, int] = {}  # key -> block
         self.block_key: Dict[int, int] = {}  # registered block -> key
         self.cpu_ref = [0] * num_cpu_blocks

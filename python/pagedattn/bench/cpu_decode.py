@@ -80,8 +80,8 @@ def run(reps: int = 5, seed: int = 0):
     for name, s, h, k, d, b, length, dtype in SHAPES:
         args = make_inputs(rng, s, h, k, d, b, length, np.dtype(dtype))
         out = np.empty_like(args[0])
-        t_pa = time_call(lambda: pagedattn.paged_attention(*args, out=out), reps)
-        t_np = time_call(lambda: numpy_baseline(*args), max(1, reps // 2))
+        t_pa = time_call(lambda a=args, o=out: pagedattn.paged_attention(*a, out=o), reps)
+        t_np = time_call(lambda a=args: numpy_baseline(*a), max(1, reps // 2))
         err = float(np.abs(out.astype(np.float32) - numpy_baseline(*args).astype(np.float32)).max())
         kv_bytes = 2 * s * length * k * d * np.dtype(dtype).itemsize
         rows.append(dict(shape=name, pagedattn_ms=t_pa * 1e3, numpy_ms=t_np * 1e3, kv_bytes=kv_bytes,
