@@ -28,6 +28,16 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     cpu::paged_attention(p);
 }
 
+void run_decode(const DecodeParams& p, DeviceKind device, void* stream) {
+  if (p.num_seqs == 0) return;
+  if (device == DeviceKind::kCUDA) {
+    cuda_backend::paged_attention(p, stream);
+  } else {
+    check_decode_indices(p);
+    cpu::paged_attention(p);
+  }
+}
+
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
                        const CacheWriteOptions& options) {

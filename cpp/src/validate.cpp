@@ -248,7 +248,6 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.check_block_tables = opt.check_block_tables;
   p.device_id = query.device_id;
 
-  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * g.block_size;
   if (query.device == DeviceKind::kCUDA) {
     check_cuda_geometry(query.dtype, D, g.block_size);
     if (opt.workspace) {
@@ -259,22 +258,26 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     }
   } else {
     check_host_limits(D, g.block_size);
-    // On the host the index arrays can be read now: every length and every block id a
-    // sequence reaches is checked, so the kernel never reads outside the cache.
-    for (std::int64_t s = 0; s < S; ++s) {
-      const std::int64_t len = p.seq_lens[s];
-      if (len < 0 || len > max_len)
-        fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, max_blocks_per_seq * block_size = ", max_len,
-                         "]");
-      const std::int64_t nb = (len + g.block_size - 1) / g.block_size;
-      const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
-      for (std::int64_t b = 0; b < nb; ++b)
-        if (row[b] < 0 || row[b] >= g.num_blocks)
-          fail<OutOfRange>("block_tables[", s, ", ", b, "] = ", row[b], " is outside [0, num_blocks = ", g.num_blocks,
-                           ") (sequence ", s, " has length ", len, ")");
-    }
+    check_decode_indices(p);
   }
   return p;
+}
+
+void check_decode_indices(const DecodeParams& p) {
+  // On the host the index arrays can be read: every length and every block id a
+  // sequence reaches is checked, so the kernel never reads outside the cache.
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+  for (std::int64_t s = 0; s < p.num_seqs; ++s) {
+    const std::int64_t len = p.seq_lens[s];
+    if (len < 0 || len > max_len)
+      fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, max_blocks_per_seq * block_size = ", max_len, "]");
+    const std::int64_t nb = (len + p.block_size - 1) / p.block_size;
+    const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
+    for (std::int64_t b = 0; b < nb; ++b)
+      if (row[b] < 0 || row[b] >= p.num_blocks)
+        fail<OutOfRange>("block_tables[", s, ", ", b, "] = ", row[b], " is outside [0, num_blocks = ", p.num_blocks,
+                         ") (sequence ", s, " has length ", len, ")");
+  }
 }
 
 CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value, const TensorView& key_cache,

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from . import reference
-from ._api import built_with_cuda, kv_cache_shape, paged_attention, reshape_and_cache, supported
+from ._api import (
+    PreparedDecode,
+    built_with_cuda,
+    kv_cache_shape,
+    paged_attention,
+    prepare_decode,
+    reshape_and_cache,
+    supported,
+)
 from ._core import __version__
 
 __all__ = [
@@ -11,6 +19,8 @@ __all__ = [
     "built_with_cuda",
     "kv_cache_shape",
     "paged_attention",
+    "prepare_decode",
+    "PreparedDecode",
     "reshape_and_cache",
     "supported",
     "reference",

@@ -11,7 +11,15 @@ from typing import Any, Optional
 from . import _core
 from ._arrays import as_core, dtype_name, empty_like, finish_like, is_cuda, resolve_stream
 
-__all__ = ["paged_attention", "reshape_and_cache", "kv_cache_shape", "supported", "built_with_cuda"]
+__all__ = [
+    "paged_attention",
+    "prepare_decode",
+    "PreparedDecode",
+    "reshape_and_cache",
+    "kv_cache_shape",
+    "supported",
+    "built_with_cuda",
+]
 
 
 def paged_attention(
@@ -53,18 +61,64 @@ def paged_attention(
     single-pass (1) or partitioned (2) kernel; 0 chooses.
     """
     result = empty_like(query) if out is None else out
-    o, bf_o = as_core(result)
+    args, kwargs = _decode_args(result, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                alibi_slopes, stream, kv_cache_dtype, k_scale, v_scale, version,
+                                partition_size, workspace, check_block_tables)  # fmt: skip
+    _core.paged_attention(*args, **kwargs)
+    return result if out is not None else finish_like(result, query)
+
+
+def _decode_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, stream,
+                 kv_cache_dtype, k_scale, v_scale, version, partition_size, workspace, check_block_tables):  # fmt: skip
+    o, bf_o = as_core(out)
     q, bf_q = as_core(query)
     k, bf_k = as_core(key_cache)
     v, bf_v = as_core(value_cache)
     handle = resolve_stream(stream, query) if (stream is not None or is_cuda(query)) else 0
-    _core.paged_attention(
-        o, q, k, v, block_tables, seq_lens, scale, alibi_slopes,
+    kwargs = dict(
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, version=version,
         partition_size=partition_size, workspace=workspace, check_block_tables=check_block_tables,
         stream=handle, bf16_mask=bf_o | (bf_q << 1) | (bf_k << 2) | (bf_v << 3),
     )  # fmt: skip
-    return result if out is not None else finish_like(result, query)
+    return (o, q, k, v, block_tables, seq_lens, scale, alibi_slopes), kwargs
+
+
+class PreparedDecode:
+    """A decode call validated once and launched many times with :meth:`run`.
+
+    The arrays are held (not copied): change the contents of ``query``,
+    ``block_tables``, ``seq_lens`` and the caches in place between runs, never their
+    shapes. On the GPU a run launches the kernel with no Python-level conversion (the
+    lowest host cost per step, and the form to capture in a CUDA graph); on the CPU the
+    index contents are checked again on every run.
+    """
+
+    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, alibi_slopes=None,
+                 out=None, stream=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, version=0,
+                 partition_size=0, workspace=None, check_block_tables=False):  # fmt: skip
+        self.out = empty_like(query) if out is None else out
+        self._arrays = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, workspace)
+        args, kwargs = _decode_args(self.out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                    alibi_slopes, stream, kv_cache_dtype, k_scale, v_scale, version,
+                                    partition_size, workspace, check_block_tables)  # fmt: skip
+        self._core_arrays = args  # the exact objects the views point into (uint16 views of bfloat16 included)
+        self._impl = _core.PreparedDecode(*args, **kwargs)
+
+    def run(self, stream: Any = None) -> Any:
+        """Runs the decode (on ``stream``, else the stream resolved when prepared) and returns ``out``."""
+        self._impl.run(None if stream is None else resolve_stream(stream, self.out))
+        return self.out
+
+    __call__ = run
+
+
+def prepare_decode(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
+                   **kwargs: Any) -> PreparedDecode:  # fmt: skip
+    """Validates a :func:`paged_attention` call once; returns a :class:`PreparedDecode`.
+
+    Takes the same arguments as :func:`paged_attention`.
+    """
+    return PreparedDecode(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
 
 
 def reshape_and_cache(

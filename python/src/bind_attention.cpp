@@ -30,6 +30,54 @@ nb::tuple shape_tuple(const Shape& s, int n) {
   return nb::tuple(l);
 }
 
+// The arguments of one decode call, converted to views once.
+struct DecodeCall {
+  TensorView out, query, key_cache, value_cache, block_tables, seq_lens, alibi, ws;
+  DecodeOptions opt;
+  DecodeCall(const AnyArray& out_, const AnyArray& query_, const AnyArray& key_cache_, const AnyArray& value_cache_,
+             const AnyArray& block_tables_, const AnyArray& seq_lens_, std::optional<float> scale,
+             const std::optional<AnyArray>& alibi_slopes, const std::string& kv_cache_dtype, float k_scale,
+             float v_scale, int version, int partition_size, const std::optional<AnyArray>& workspace,
+             bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask)
+      : out(view_arg(out_, bf16_mask, 0)),
+        query(view_arg(query_, bf16_mask, 1)),
+        key_cache(view_arg(key_cache_, bf16_mask, 2)),
+        value_cache(view_arg(value_cache_, bf16_mask, 3)),
+        block_tables(to_view(block_tables_)),
+        seq_lens(to_view(seq_lens_)) {
+    opt.scale = scale;
+    if (alibi_slopes) {
+      alibi = to_view(*alibi_slopes);
+      opt.alibi_slopes = &alibi;
+    }
+    if (workspace) {
+      ws = to_view(*workspace);
+      opt.workspace = &ws;
+    }
+    opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+    opt.k_scale = k_scale;
+    opt.v_scale = v_scale;
+    opt.version = version;
+    opt.partition_size = partition_size;
+    opt.check_block_tables = check_block_tables;
+    opt.stream = to_stream(stream);
+  }
+  DecodeCall(const DecodeCall&) = delete;
+};
+
+// The arrays' Python objects are kept alive by the Python wrapper (pagedattn.PreparedDecode).
+struct PreparedDecode {
+  DecodeParams params;
+  DeviceKind device;
+  void* stream;
+};
+
+#define DECODE_ARGS                                                                                              \
+  "out"_a.noconvert(), "query"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),            \
+      "block_tables"_a.noconvert(), "seq_lens"_a.noconvert(), "scale"_a.none(), "alibi_slopes"_a.none(),          \
+      "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "version"_a = 0, "partition_size"_a = 0, \
+      "workspace"_a.none() = nb::none(), "check_block_tables"_a = false, "stream"_a = 0, "bf16_mask"_a = 0u
+
 }  // namespace
 
 void bind_attention(nb::module_& m) {
@@ -39,35 +87,36 @@ void bind_attention(nb::module_& m) {
          AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
          const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
          std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
-        const TensorView o = view_arg(out, bf16_mask, 0), q = view_arg(query, bf16_mask, 1),
-                         kc = view_arg(key_cache, bf16_mask, 2), vc = view_arg(value_cache, bf16_mask, 3);
-        const TensorView bt = to_view(block_tables), sl = to_view(seq_lens);
-        TensorView alibi, ws;
-        DecodeOptions opt;
-        opt.scale = scale;
-        if (alibi_slopes) {
-          alibi = to_view(*alibi_slopes);
-          opt.alibi_slopes = &alibi;
-        }
-        if (workspace) {
-          ws = to_view(*workspace);
-          opt.workspace = &ws;
-        }
-        opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-        opt.k_scale = k_scale;
-        opt.v_scale = v_scale;
-        opt.version = version;
-        opt.partition_size = partition_size;
-        opt.check_block_tables = check_block_tables;
-        opt.stream = to_stream(stream);
+        DecodeCall c(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_cache_dtype,
+                     k_scale, v_scale, version, partition_size, workspace, check_block_tables, stream, bf16_mask);
         nb::gil_scoped_release release;
-        paged_attention(o, q, kc, vc, bt, sl, opt);
+        paged_attention(c.out, c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, c.opt);
       },
-      "out"_a.noconvert(), "query"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),
-      "block_tables"_a.noconvert(), "seq_lens"_a.noconvert(), "scale"_a.none(), "alibi_slopes"_a.none(),
-      "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "version"_a = 0, "partition_size"_a = 0,
-      "workspace"_a.none() = nb::none(), "check_block_tables"_a = false, "stream"_a = 0, "bf16_mask"_a = 0u,
-      "Low-level decode entry point (validated in C++). Use pagedattn.paged_attention.");
+      DECODE_ARGS, "Low-level decode entry point (validated in C++). Use pagedattn.paged_attention.");
+
+  nb::class_<PreparedDecode>(m, "PreparedDecode",
+                             "A decode validated once and launched many times (use pagedattn.prepare_decode).")
+      .def(
+          "__init__",
+          [](PreparedDecode* self, AnyArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache,
+             AnyArray block_tables, AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
+             const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
+             std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
+            DecodeCall c(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+                         kv_cache_dtype, k_scale, v_scale, version, partition_size, workspace, check_block_tables,
+                         stream, bf16_mask);
+            new (self) PreparedDecode{make_decode_params(c.out, c.query, c.key_cache, c.value_cache, c.block_tables,
+                                                         c.seq_lens, c.opt),
+                                      c.query.device, c.opt.stream};
+          },
+          DECODE_ARGS)
+      .def(
+          "run",
+          [](const PreparedDecode& self, std::optional<std::uintptr_t> stream) {
+            nb::gil_scoped_release release;
+            run_decode(self.params, self.device, stream ? to_stream(*stream) : self.stream);
+          },
+          "stream"_a = nb::none(), "Launches the prepared decode (on `stream`, else the one given when prepared).");
 
   m.def(
       "reshape_and_cache",

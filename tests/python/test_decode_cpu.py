@@ -184,3 +184,25 @@ def test_fp8_cache_decode(rng, kind, layout, dtype):
                                                        value[sel].astype(np.float64), 1 / np.sqrt(d))
     rel = np.linalg.norm(out.astype(np.float64) - exact) / np.linalg.norm(exact)
     assert rel < (0.06 if kind == "fp8_e4m3" else 0.12), rel
+
+
+def test_prepared_decode_reruns_with_new_contents(rng):
+    """Validate once, change query / block tables / lengths in place, run again."""
+    p = make_problem(rng, [40, 17, 3], num_heads=8, num_kv_heads=2, dtype=np.float16, extra_blocks=6)
+    prepared = pagedattn.prepare_decode(*p.args())
+    out = prepared.run()
+    assert out is prepared.out
+    assert_close(out, paged_attention_ref(*p.args()), np.float16)
+    p.query[...] = rng.standard_normal(p.query.shape).astype(np.float16)
+    p.seq_lens[...] = [2, 11, 0]  # shorter than written, so only filled slots are read
+    assert_close(prepared(), paged_attention_ref(*p.args()), np.float16)
+    # A block id that became invalid is still caught on the host.
+    p.block_tables[1, 0] = 10**6
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\]"):
+        prepared.run()
+
+
+def test_prepared_decode_validates_at_prepare_time(rng):
+    p = make_problem(rng, [4])
+    with pytest.raises(TypeError, match="seq_lens: expected dtype int32"):
+        pagedattn.prepare_decode(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens.astype(np.int64))

@@ -70,6 +70,17 @@ CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std
 DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                                 const TensorView& value_cache, const TensorView& block_tables,
                                 const TensorView& seq_lens, const DecodeOptions& options = {});
+// Checks the index contents of host arrays in p (every seq_len in range, every block id
+// a sequence reaches inside the pool). make_decode_params does this already; a caller
+// that reuses DecodeParams after changing block_tables / seq_lens in place calls it again.
+void check_decode_indices(const DecodeParams& p);
+
+// Runs a decode from parameters made by make_decode_params, without re-checking shapes,
+// dtypes or pointers (the arrays must still be alive and unchanged in shape). Host
+// parameters get check_decode_indices first, since index contents may have changed.
+// This is the prepared-call path: validate once, launch many times.
+void run_decode(const DecodeParams& p, DeviceKind device, void* stream = nullptr);
+
 CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value,
                                          const TensorView& key_cache, const TensorView& value_cache,
                                          const TensorView& slot_mapping, const CacheWriteOptions& options = {});

@@ -1,0 +1,107 @@
+"""copy_blocks / swap_blocks on host arrays (run everywhere, no GPU needed), and the
+validation of their arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedattn
+from conftest import BF16
+
+
+def layer_caches(rng, layers, num_blocks=10, dtype=np.float32, layout="vllm"):
+    keys, values = [], []
+    for _ in range(layers):
+        kshape, vshape = pagedattn.kv_cache_shape(num_blocks, 16, 2, 64, dtype, layout)
+        keys.append(rng.standard_normal(kshape).astype(dtype))
+        values.append(rng.standard_normal(vshape).astype(dtype))
+    return keys, values
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("mapping_dtype", [np.int64, np.int32])
+def test_copy_blocks_all_layers(rng, layout, mapping_dtype):
+    keys, values = layer_caches(rng, 3, layout=layout)
+    before_k = [k.copy() for k in keys]
+    before_v = [v.copy() for v in values]
+    pairs = np.array([[0, 5], [2, 7], [9, 1]], dtype=mapping_dtype)
+    pagedattn.copy_blocks(keys, values, pairs)
+    for k, v, k0, v0 in zip(keys, values, before_k, before_v):
+        expect_k, expect_v = k0.copy(), v0.copy()
+        for s, d in pairs:
+            expect_k[d] = k0[s]
+            expect_v[d] = v0[s]
+        assert np.array_equal(k, expect_k) and np.array_equal(v, expect_v)
+
+
+def test_copy_blocks_list_of_pairs_and_bf16(rng):
+    if BF16 is None:
+        pytest.skip("needs ml_dtypes")
+    keys, values = layer_caches(rng, 1, dtype=BF16)
+    k0 = keys[0].copy()
+    pagedattn.copy_blocks(keys, values, [(3, 4)])
+    assert np.array_equal(keys[0][4].view(np.uint16), k0[3].view(np.uint16))
+    assert np.array_equal(keys[0][:4].view(np.uint16), k0[:4].view(np.uint16))
+
+
+def test_copy_blocks_empty_mapping(rng):
+    keys, values = layer_caches(rng, 2)
+    k0 = keys[0].copy()
+    pagedattn.copy_blocks(keys, values, [])
+    assert np.array_equal(keys[0], k0)
+
+
+def test_copy_blocks_errors(rng):
+    keys, values = layer_caches(rng, 2)
+    with pytest.raises(IndexError, match=r"block_mapping\[1, 1\] = 10"):
+        pagedattn.copy_blocks(keys, values, [(0, 1), (2, 10)])
+    with pytest.raises(IndexError, match=r"block_mapping\[0, 0\] = -1"):
+        pagedattn.copy_blocks(keys, values, [(-1, 1)])
+    with pytest.raises(ValueError, match=r"\[num_pairs, 2\]"):
+        pagedattn.copy_blocks(keys, values, np.zeros((2, 3), np.int64))
+    with pytest.raises(TypeError, match="int64 or int32"):
+        pagedattn.copy_blocks(keys, values, np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pagedattn.copy_blocks([keys[0][:, :, ::2]], [], [(0, 1)])
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_swap_blocks_host(rng, layout):
+    keys, _ = layer_caches(rng, 1, num_blocks=8, layout=layout)
+    src = keys[0]
+    dst = np.full((5,) + src.shape[1:], np.nan, np.float32)
+    pairs = [(7, 0), (1, 3), (2, 4)]
+    pagedattn.swap_blocks(src, dst, pairs)
+    for s, d in pairs:
+        assert np.array_equal(dst[d], src[s])
+    assert np.isnan(dst[[1, 2]]).all(), "blocks not in the mapping stay untouched"
+
+
+def test_swap_blocks_consecutive_runs(rng):
+    src = rng.standard_normal((12, 4, 8)).astype(np.float16)
+    dst = np.zeros((12, 4, 8), np.float16)
+    pairs = [(0, 4), (1, 5), (2, 6), (9, 0), (10, 1)]
+    pagedattn.swap_blocks(src, dst, np.array(pairs, np.int32))
+    assert np.array_equal(dst[4:7], src[0:3]) and np.array_equal(dst[0:2], src[9:11])
+    assert np.all(dst[[2, 3, 7, 8, 9, 10, 11]] == 0)
+
+
+def test_swap_blocks_errors(rng):
+    src = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="block shape"):
+        pagedattn.swap_blocks(src, np.zeros((4, 2, 4), np.float32), [(0, 0)])
+    with pytest.raises(TypeError, match="dtype"):
+        pagedattn.swap_blocks(src, np.zeros((4, 2, 8), np.float16), [(0, 0)])
+    with pytest.raises(IndexError, match=r"block_mapping\[0, 1\] = 4"):
+        pagedattn.swap_blocks(src, np.zeros((4, 2, 8), np.float32), [(0, 4)])
+
+
+def test_workspace_size_without_cuda_or_bad_args():
+    if not pagedattn._core.with_cuda:
+        with pytest.raises(ValueError, match="no CUDA backend"):
+            pagedattn.decode_workspace_size(1, 8, 2, 64, 16, 4, "float16")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        pagedattn.decode_workspace_size(1, 8, 3, 64, 16, 4, "float16")
+    with pytest.raises(ValueError, match="head_size 65"):
+        pagedattn.decode_workspace_size(1, 8, 2, 65, 16, 4, "float16")

@@ -1,0 +1,301 @@
+"""paged_attention on CUDA against the CPU path and the float64 reference.
+
+A chosen grid (not a cartesian product): dtypes x layouts x block sizes x forced
+version; every head size once (specialised and generic); GQA groups 1..32; ALiBi;
+fp8 caches (e4m3 / e5m2, with scales) for every query dtype; lengths around block and
+partition boundaries and a 32k context; strided query / out; CuPy arrays; CUDA-graph
+capture and replay with new block tables and lengths; out-of-range block ids.
+Caches are NaN-poisoned outside the used slots and every output element is checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedattn
+from conftest import BF16, TOL, assert_close, make_problem
+from pagedattn.reference import paged_attention_ref
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
+    pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
+
+DEV = torch.device("cuda", 0)
+NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+
+
+def to_torch(a):
+    """NumPy (incl. ml_dtypes bfloat16) -> torch CUDA tensor, same values."""
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    if BF16 is not None and a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
+    return torch.from_numpy(a).to(DEV)
+
+
+def to_numpy(t):
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(BF16)
+    return t.numpy()
+
+
+def fp8_problem(rng, seq_lens, *, kind, dtype, layout, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                k_scale=0.05, v_scale=0.03, alibi=False):
+    """A make_problem()-style problem whose caches are fp8 (uint8), written by the CPU
+    reshape_and_cache; unused slots hold 0x7f (NaN in both fp8 formats)."""
+    base = make_problem(rng, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                        block_size=block_size, dtype=dtype, layout=layout, alibi=alibi)  # fmt: skip
+    nblocks = base.key_cache.shape[0]
+    kshape, vshape = pagedattn.kv_cache_shape(nblocks, block_size, num_kv_heads, head_size, "uint8", layout)
+    kc = np.full(kshape, 0x7F, np.uint8)
+    vc = np.full(vshape, 0x7F, np.uint8)
+    slots = []
+    for i, n in enumerate(base.seq_lens):
+        t = np.arange(int(n))
+        slots.append(base.block_tables[i, t // block_size].astype(np.int64) * block_size + t % block_size)
+    slots = np.concatenate(slots)
+    # values of a few units of the scale, so that the fp8 grid is exercised
+    k_new = (rng.standard_normal((len(slots), num_kv_heads, head_size)) * 40 * k_scale).astype(dtype)
+    v_new = (rng.standard_normal((len(slots), num_kv_heads, head_size)) * 40 * v_scale).astype(dtype)
+    pagedattn.reshape_and_cache(k_new, v_new, kc, vc, slots, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
+    base.key_cache, base.value_cache = kc, vc
+    return base
+
+
+def check(p, dtype, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=None, version=0, partition_size=0,
+          cpu=True):
+    """Runs p on CUDA (torch tensors); compares with the float64 reference and the CPU path."""
+    dtype = np.dtype(dtype)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, scale=scale)
+    out_t = pagedattn.paged_attention(
+        to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache), to_torch(p.block_tables),
+        to_torch(p.seq_lens), alibi_slopes=to_torch(p.alibi_slopes), version=version,
+        partition_size=partition_size, **kw,
+    )  # fmt: skip
+    assert out_t.is_cuda and out_t.dtype == to_torch(p.query[:0]).dtype
+    out = to_numpy(out_t)
+    ref = paged_attention_ref(*p.args(), alibi_slopes=p.alibi_slopes, **kw)
+    assert_close(out, ref, dtype, "cuda vs float64 reference")
+    if cpu:
+        cpu_out = pagedattn.paged_attention(*p.args(), alibi_slopes=p.alibi_slopes, **kw)
+        atol, rtol = TOL[dtype.name]
+        np.testing.assert_allclose(out.astype(np.float64), np.asarray(cpu_out).astype(np.float64),
+                                   atol=2 * atol, rtol=2 * rtol, err_msg="cuda vs cpu")  # fmt: skip
+    zero = np.asarray(p.seq_lens) == 0
+    assert np.all(out[zero].astype(np.float64) == 0), "length-0 sequences must give zeros"
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("version", [1, 2])
+def test_grid_lengths_around_blocks(rng, dtype, layout, block_size, version):
+    b = block_size
+    lens = [0, 1, b - 1, b, b + 1, 2 * b + 3, 300]
+    p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=b, dtype=NP_DTYPES[dtype],
+                     layout=layout)  # fmt: skip
+    check(p, NP_DTYPES[dtype], version=version, partition_size=64 if version == 2 else 0)
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256, 8, 40, 72, 136, 248])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_every_head_size(rng, head_size, layout):
+    dtype = NP_DTYPES["float16"] if head_size % 16 else NP_DTYPES["bfloat16"]
+    p = make_problem(rng, [5, 77, 16], num_heads=4, num_kv_heads=2, head_size=head_size, dtype=dtype, layout=layout)
+    check(p, dtype)
+
+
+@pytest.mark.parametrize("head_size", [64, 96, 256, 40])
+def test_head_sizes_float32(rng, head_size):
+    p = make_problem(rng, [5, 77], num_heads=4, num_kv_heads=2, head_size=head_size, dtype=np.float32)
+    check(p, np.float32)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (8, 2), (8, 1), (32, 2), (64, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gqa_groups(rng, heads, dtype):
+    p = make_problem(rng, [1, 40, 130], num_heads=heads[0], num_kv_heads=heads[1], head_size=64,
+                     dtype=NP_DTYPES[dtype])  # fmt: skip
+    check(p, NP_DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_alibi(rng, dtype, layout, version):
+    p = make_problem(rng, [1, 17, 300], num_heads=8, num_kv_heads=4, layout=layout, alibi=True, dtype=NP_DTYPES[dtype])
+    check(p, NP_DTYPES[dtype], version=version, partition_size=128 if version == 2 else 0)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_fp8_caches(rng, kind, dtype, layout):
+    p = fp8_problem(rng, [0, 1, 15, 17, 250], kind=kind, dtype=NP_DTYPES[dtype], layout=layout)
+    check(p, NP_DTYPES[dtype], kv_cache_dtype=kind, k_scale=0.05, v_scale=0.03)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_fp8_block_sizes_and_odd_head(rng, layout, block_size):
+    head = 80 if layout == "vllm" else 72  # vllm fp8 needs a multiple of x = 16
+    p = fp8_problem(rng, [9, 100], kind="fp8_e4m3", dtype=NP_DTYPES["bfloat16"], layout=layout, head_size=head,
+                    block_size=block_size, alibi=True)  # fmt: skip
+    check(p, NP_DTYPES["bfloat16"], kv_cache_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.03, version=2,
+          partition_size=32)  # fmt: skip
+
+
+@pytest.mark.parametrize("partition_size", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_partition_boundaries(rng, partition_size, dtype):
+    P = partition_size
+    lens = [1, P - 1, P, P + 1, 2 * P - 1, 2 * P + 1, 5 * P + 3]
+    p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=64, dtype=NP_DTYPES[dtype])
+    check(p, NP_DTYPES[dtype], version=2, partition_size=P)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_long_context_32k(rng, version):
+    p = make_problem(rng, [32768, 1000], num_heads=8, num_kv_heads=2, head_size=64, dtype=NP_DTYPES["bfloat16"])
+    check(p, NP_DTYPES["bfloat16"], version=version, cpu=False)
+
+
+def test_seed_shapes(rng):
+    p = make_problem(rng, [196] * 5, num_heads=12, num_kv_heads=12, head_size=64, dtype=np.float16)
+    check(p, np.float16)
+    p = make_problem(rng, [204], num_heads=56, num_kv_heads=56, head_size=128, dtype=np.float16)
+    check(p, np.float16)
+
+
+def test_explicit_scale(rng):
+    p = make_problem(rng, [40, 7], num_heads=4, num_kv_heads=1, dtype=np.float16)
+    check(p, np.float16, scale=0.37)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_strided_query_and_out(rng, dtype):
+    dt = NP_DTYPES[dtype]
+    p = make_problem(rng, [3, 50, 129], num_heads=8, num_kv_heads=2, head_size=64, dtype=dt)
+    tdt = to_torch(p.query[:0]).dtype
+    big_q = torch.full((3, 16, 64), float("nan"), dtype=tdt, device=DEV)
+    big_q[:, ::2] = to_torch(p.query)
+    q = big_q[:, ::2]
+    big_o = torch.full((3, 8, 2, 64), float("nan"), dtype=tdt, device=DEV)
+    o = big_o[:, :, 1]
+    assert not q.is_contiguous() and not o.is_contiguous()
+    res = pagedattn.paged_attention(q, to_torch(p.key_cache), to_torch(p.value_cache), to_torch(p.block_tables),
+                                    to_torch(p.seq_lens), out=o)  # fmt: skip
+    assert res is o
+    ref = paged_attention_ref(*p.args())
+    assert_close(to_numpy(o.contiguous()), ref, dt)
+    assert torch.isnan(big_o[:, :, 0]).all(), "the kernel wrote outside the strided output"
+
+
+def test_cupy_arrays(rng):
+    cupy = pytest.importorskip("cupy")
+    p = make_problem(rng, [0, 33, 200], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
+    args = [cupy.asarray(a) for a in p.args()]
+    out = pagedattn.paged_attention(*args)
+    assert isinstance(out, cupy.ndarray)
+    assert_close(cupy.asnumpy(out), paged_attention_ref(*p.args()), np.float16)
+    s = cupy.cuda.Stream(non_blocking=True)
+    out2 = cupy.empty_like(out)
+    pagedattn.paged_attention(*args, out=out2, stream=s, version=2, partition_size=64)
+    s.synchronize()
+    assert_close(cupy.asnumpy(out2), paged_attention_ref(*p.args()), np.float16)
+
+
+@pytest.mark.parametrize("use_workspace", [True, False])
+def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
+    S, H, K, D, B, M = 4, 16, 4, 128, 16, 40
+    nblocks = S * M + 4
+    dt = NP_DTYPES["bfloat16"]
+    first = make_problem(rng, [300, 1, 17, 600], num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt,
+                         num_blocks=nblocks, pad_blocks=M - 38)  # fmt: skip
+    assert first.block_tables.shape == (S, M)
+    q = to_torch(first.query)
+    kc, vc = to_torch(first.key_cache), to_torch(first.value_cache)
+    bt, sl = to_torch(first.block_tables), to_torch(first.seq_lens)
+    out = torch.empty_like(q)
+    ws = None
+    if use_workspace:
+        size = pagedattn.decode_workspace_size(S, H, K, D, B, M, "bfloat16", version=2, partition_size=64)
+        assert size > 0
+        ws = torch.empty(size, dtype=torch.uint8, device=DEV)
+    kw = dict(out=out, version=2, partition_size=64, workspace=ws)
+    pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)  # warm-up (sizes the pool when no workspace)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    for lens in ([5, 640, 0, 33], [640, 640, 640, 640], [1, 2, 3, 4]):
+        # new problem in the same buffers: new tables, lengths, queries and cache contents
+        p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt,
+                         num_blocks=nblocks, pad_blocks=M - max(-(-n // B) for n in lens))  # fmt: skip
+        q.copy_(to_torch(p.query))
+        kc.copy_(to_torch(p.key_cache))
+        vc.copy_(to_torch(p.value_cache))
+        bt.copy_(to_torch(p.block_tables))
+        sl.copy_(to_torch(p.seq_lens))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph replay {lens}")
+
+
+def test_workspace_size_and_errors(rng):
+    assert pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=1) == 0
+    n = pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=2, partition_size=256)
+    assert n >= 8 * 32 * 4 * (128 + 2) * 4
+    p = make_problem(rng, [300, 200], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+    args = [to_torch(a) for a in p.args()]
+    small = torch.empty(16, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="workspace"):
+        pagedattn.paged_attention(*args, version=2, partition_size=64, workspace=small)
+    with pytest.raises(ValueError, match="partition_size"):
+        pagedattn.paged_attention(*args, version=2, partition_size=40)
+
+
+def test_out_of_range_block_ids(rng):
+    p = make_problem(rng, [40, 70, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+    nblocks = p.key_cache.shape[0]
+    bad = p.block_tables.copy()
+    bad[1, 2] = nblocks + 5  # inside sequence 1's 5 blocks
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+    with pytest.raises(IndexError, match=r"block_tables\[1, 2\]"):
+        pagedattn.paged_attention(*args, check_block_tables=True)
+    out = to_numpy(pagedattn.paged_attention(*args))  # unchecked: never reads outside; NaN marks it
+    assert np.isnan(out[1].astype(np.float32)).all()
+    ref = paged_attention_ref(*p.args())
+    assert_close(out[[0, 2]], ref[[0, 2]], np.float16, "other sequences are unaffected")
+    bad_len = p.seq_lens.copy()
+    bad_len[2] = p.block_tables.shape[1] * 16 + 1
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, bad_len)]
+    with pytest.raises(IndexError, match=r"seq_lens\[2\]"):
+        pagedattn.paged_attention(*args, check_block_tables=True, version=2, partition_size=64)
+    good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], check_block_tables=True)
+    assert_close(to_numpy(good), ref, np.float16)
+
+
+def test_padding_entries_never_read(rng):
+    """Table entries past a sequence's last block may hold anything, even invalid ids."""
+    p = make_problem(rng, [17, 3], num_heads=4, num_kv_heads=2, head_size=64, dtype=np.float16, pad_blocks=3)
+    bt = p.block_tables.copy()
+    bt[0, 2:] = -7
+    bt[1, 1:] = 10**9
+    out = pagedattn.paged_attention(to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache), to_torch(bt),
+                                    to_torch(p.seq_lens), check_block_tables=True)  # fmt: skip
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
+
+
+def test_repeatable(rng):
+    """Same inputs, same bits: no race between warps or partitions."""
+    p = make_problem(rng, [3000, 50], num_heads=32, num_kv_heads=8, head_size=128, dtype=NP_DTYPES["bfloat16"])
+    args = [to_torch(a) for a in p.args()]
+    a = pagedattn.paged_attention(*args)
+    for _ in range(3):
+        assert torch.equal(pagedattn.paged_attention(*args), a)
