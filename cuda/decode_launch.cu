@@ -11,6 +11,7 @@
 // check_block_tables (which must read the device error record back).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <utility>

@@ -1,11 +1,17 @@
 // CPU paged-attention decode.
 //
 // One task per (sequence, KV head). A task reads each cached key and value of its KV
-// head exactly once and serves all query heads of the group from that read: a block
-// of keys is converted to float32 and transposed to [D][B] (so the q.k products are
-// axpy loops over the block that the compiler vectorises), a block of values to
-// [B][D]. Softmax is the numerically stable two-pass form over the whole context in
-// float32.
+// head exactly once and serves all query heads of the group from that read. Each
+// block is converted to float32 in the cache's own element order (float32 caches are
+// read in place), then:
+//   - keys: every token's q.k is a sum of 8-wide multiply-adds over the token's
+//     8-element chunks, which both layouts store contiguously (vllm: x >= 8, or a
+//     re-chunked copy for float32's x = 4; nhd: the row itself);
+//   - values: 8-wide multiply-adds along the block's tokens (vllm, [D][B]) or along
+//     the head dimension (nhd, [B][D]), accumulated without reduction until the end.
+// Head sizes that are not a multiple of 8 (and vllm blocks not a multiple of 8 for the
+// values) take a plain scalar path. Softmax is the numerically stable two-pass form over
+// the whole context in float32.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -19,12 +25,27 @@
 namespace pagedattn::cpu {
 namespace {
 
+constexpr int W = 8;  // floats per vector chunk
+typedef float f8 __attribute__((vector_size(W * sizeof(float))));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(f8 v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
 struct Scratch {
-  std::vector<float> q;       // [G, D]
+  std::vector<float> q;       // [G, D], pre-scaled
   std::vector<float> logits;  // [G, L]
-  std::vector<float> raw;     // one block of one head, as stored: D * B floats
-  std::vector<float> kt;      // [D, B]
-  std::vector<float> acc;     // [G, D]
+  std::vector<float> raw;     // one block of one head as float32, in cache order (D * B)
+  std::vector<float> chunked;  // float32 vllm keys re-chunked to [D/8][B][8]
+  std::vector<float> acc;     // [G, D] (nhd, scalar) or [G, D, 8] lanes (vllm vector path)
 };
 
 Scratch& scratch() {
@@ -32,143 +53,236 @@ Scratch& scratch() {
   return s;
 }
 
-PAGEDATTN_HOT void decode_task(const DecodeParams& p, int seq, int kv_head) {
-  const int G = p.num_heads / p.num_kv_heads;
-  const int D = p.head_size;
-  const int B = p.block_size;
-  const int L = p.seq_lens[seq];
-  const std::size_t elem = dtype_size(p.dtype);
-  const std::size_t cache_elem = cache_elem_size(p.dtype, p.kv_cache_dtype);
-  const int h0 = kv_head * G;
+// Where the 8-element chunk c of token t of a converted key block starts, and how
+// chunks/tokens are strided: ptr = base + (c / per_group) * group_stride
+//                                   + t * tok_stride + (c % per_group) * 8.
+struct ChunkMap {
+  const float* base;
+  int per_group;
+  std::int64_t group_stride;
+  std::int64_t tok_stride;
+  const float* at(int c, int t) const {
+    return base + (c / per_group) * group_stride + t * tok_stride + (c % per_group) * W;
+  }
+};
 
-  Scratch& s = scratch();
-  s.acc.assign(static_cast<std::size_t>(G) * D, 0.0f);
+class DecodeTask {
+ public:
+  DecodeTask(const DecodeParams& p, int seq, int kv_head)
+      : p_(p),
+        G_(p.num_heads / p.num_kv_heads),
+        D_(p.head_size),
+        B_(p.block_size),
+        L_(p.seq_lens[seq]),
+        seq_(seq),
+        kv_head_(kv_head),
+        h0_(kv_head * G_),
+        ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
+        x_(static_cast<int>(16 / ce_)),
+        head_elems_(static_cast<std::int64_t>(D_) * B_),
+        direct_(p.dtype == DType::kFloat32 && p.kv_cache_dtype == KVCacheDType::kAuto &&
+                p.layout == CacheLayout::kVLLM),
+        vec_k_(D_ % W == 0),
+        vec_v_(D_ % W == 0 && (p.layout == CacheLayout::kNHD || B_ % W == 0)),
+        table_(p.block_tables + static_cast<std::int64_t>(seq) * p.max_blocks_per_seq),
+        s_(scratch()) {}
 
-  auto write_out = [&]() {
-    for (int g = 0; g < G; ++g) {
-      char* dst = static_cast<char*>(p.out) + (seq * p.o_stride_seq + static_cast<std::int64_t>(h0 + g) * p.o_stride_head) *
-                                                  static_cast<std::int64_t>(elem);
-      store_row(s.acc.data() + static_cast<std::size_t>(g) * D, p.dtype, KVCacheDType::kAuto, 1.0f, D, dst);
+  void run() {
+    const bool lanes = vec_v_ && p_.layout == CacheLayout::kVLLM;
+    s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
+    if (L_ > 0) {
+      load_query();
+      logits_pass();
+      softmax();
+      value_pass();
     }
-  };
-  if (L == 0) {
-    write_out();
-    return;
+    write_out(lanes);
   }
 
-  s.q.resize(static_cast<std::size_t>(G) * D);
-  for (int g = 0; g < G; ++g) {
-    const char* src = static_cast<const char*>(p.query) +
-                      (seq * p.q_stride_seq + static_cast<std::int64_t>(h0 + g) * p.q_stride_head) *
-                          static_cast<std::int64_t>(elem);
-    float* q = s.q.data() + static_cast<std::size_t>(g) * D;
-    load_row(src, p.dtype, KVCacheDType::kAuto, 1.0f, D, q);
-    for (int d = 0; d < D; ++d) q[d] *= p.scale;
+ private:
+  std::size_t gd(int g) const { return static_cast<std::size_t>(g) * D_; }
+  int tokens_in(int b) const { return std::min(B_, L_ - b * B_); }
+
+  void load_query() {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    s_.q.resize(static_cast<std::size_t>(G_) * D_);
+    for (int g = 0; g < G_; ++g) {
+      const char* src = static_cast<const char*>(p_.query) +
+                        (seq_ * p_.q_stride_seq + static_cast<std::int64_t>(h0_ + g) * p_.q_stride_head) * elem;
+      float* q = s_.q.data() + gd(g);
+      load_row(src, p_.dtype, KVCacheDType::kAuto, 1.0f, D_, q);
+      for (int d = 0; d < D_; ++d) q[d] *= p_.scale;
+    }
   }
-  s.logits.assign(static_cast<std::size_t>(G) * L, 0.0f);
-  s.raw.resize(static_cast<std::size_t>(D) * B);
-  s.kt.resize(static_cast<std::size_t>(D) * B);
 
-  const int num_blocks = (L + B - 1) / B;
-  const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(seq) * p.max_blocks_per_seq;
-  const auto head_elems = static_cast<std::int64_t>(D) * B;  // one block of one KV head
-  const auto* kbase = static_cast<const char*>(p.key_cache);
-  const auto* vbase = static_cast<const char*>(p.value_cache);
-  const auto ce = static_cast<std::int64_t>(cache_elem);
-  const int x = static_cast<int>(16 / cache_elem);
+  // One block of this KV head as float32 in cache order: vllm keys [D/x][B][x], vllm
+  // values [D][B], nhd [B][D] (rows gathered).
+  const float* load_block(std::int64_t block, bool values) {
+    const char* base = static_cast<const char*>(values ? p_.value_cache : p_.key_cache);
+    const float sc = values ? p_.v_scale : p_.k_scale;
+    s_.raw.resize(static_cast<std::size_t>(head_elems_));
+    if (p_.layout == CacheLayout::kVLLM) {
+      const char* src = base + ((block * p_.num_kv_heads + kv_head_) * head_elems_) * ce_;
+      if (direct_) return reinterpret_cast<const float*>(src);
+      load_row(src, p_.dtype, p_.kv_cache_dtype, sc, static_cast<int>(head_elems_), s_.raw.data());
+      return s_.raw.data();
+    }
+    for (int t = 0; t < B_; ++t) {
+      const char* src = base + ((block * B_ + t) * p_.num_kv_heads + kv_head_) * static_cast<std::int64_t>(D_) * ce_;
+      load_row(src, p_.dtype, p_.kv_cache_dtype, sc, D_, s_.raw.data() + static_cast<std::size_t>(t) * D_);
+    }
+    return s_.raw.data();
+  }
 
-  // Loads one block of keys (kind 0) or values (kind 1) of this KV head as float32:
-  // keys into s.kt as [D][B], values into s.raw as [B][D].
-  auto load_block = [&](std::int64_t block, bool values) {
-    const char* base = values ? vbase : kbase;
-    const float sc = values ? p.v_scale : p.k_scale;
-    if (p.layout == CacheLayout::kVLLM) {
-      const char* src = base + ((block * p.num_kv_heads + kv_head) * head_elems) * ce;
-      load_row(src, p.dtype, p.kv_cache_dtype, sc, D * B, s.raw.data());
-      if (!values) {  // raw [D/x][B][x] -> kt [D][B]
-        for (int c = 0; c < D / x; ++c)
-          for (int t = 0; t < B; ++t)
-            for (int j = 0; j < x; ++j)
-              s.kt[static_cast<std::size_t>(c * x + j) * B + t] = s.raw[(static_cast<std::size_t>(c) * B + t) * x + j];
-      } else {  // raw [D][B] -> kt used as [B][D]
-        for (int d = 0; d < D; ++d)
-          for (int t = 0; t < B; ++t) s.kt[static_cast<std::size_t>(t) * D + d] = s.raw[static_cast<std::size_t>(d) * B + t];
-      }
-    } else {  // nhd: token t of the block at [block, t, kv_head, :]
-      for (int t = 0; t < B; ++t) {
-        const char* src = base + ((block * B + t) * p.num_kv_heads + kv_head) * static_cast<std::int64_t>(D) * ce;
-        load_row(src, p.dtype, p.kv_cache_dtype, sc, D, s.raw.data() + static_cast<std::size_t>(t) * D);
-      }
-      if (!values) {
-        for (int t = 0; t < B; ++t)
-          for (int d = 0; d < D; ++d) s.kt[static_cast<std::size_t>(d) * B + t] = s.raw[static_cast<std::size_t>(t) * D + d];
+  // Element (t, d) of a converted key block.
+  float key_at(const float* kb, int t, int d) const {
+    if (p_.layout == CacheLayout::kNHD) return kb[static_cast<std::size_t>(t) * D_ + d];
+    return kb[(static_cast<std::size_t>(d / x_) * B_ + t) * x_ + d % x_];
+  }
+
+  ChunkMap key_chunks(const float* kb) {
+    if (p_.layout == CacheLayout::kNHD) return {kb, D_ / W, 0, D_};
+    if (x_ >= W) return {kb, x_ / W, static_cast<std::int64_t>(B_) * x_, x_};
+    // x = 4 (float32): re-chunk [D/4][B][4] into [D/8][B][8].
+    s_.chunked.resize(static_cast<std::size_t>(head_elems_));
+    for (int c = 0; c < D_ / W; ++c)
+      for (int t = 0; t < B_; ++t)
+        for (int half = 0; half < 2; ++half)
+          std::memcpy(s_.chunked.data() + (static_cast<std::size_t>(c) * B_ + t) * W + half * 4,
+                      kb + (static_cast<std::size_t>(2 * c + half) * B_ + t) * 4, 4 * sizeof(float));
+    return {s_.chunked.data(), 1, static_cast<std::int64_t>(B_) * W, W};
+  }
+
+  // logits[g][t] = (scale * q[g]) . k[t] for every token of the context.
+  PAGEDATTN_HOT void logits_pass() {
+    s_.logits.assign(static_cast<std::size_t>(G_) * L_, 0.0f);
+    const int num_blocks = (L_ + B_ - 1) / B_;
+    for (int b = 0; b < num_blocks; ++b) {
+      const int n = tokens_in(b);
+      const float* kb = load_block(table_[b], false);
+      float* lg0 = s_.logits.data() + static_cast<std::size_t>(b) * B_;
+      if (vec_k_) {
+        const ChunkMap km = key_chunks(kb);
+        for (int g = 0; g < G_; ++g) {
+          const float* q = s_.q.data() + gd(g);
+          float* lg = lg0 + static_cast<std::size_t>(g) * L_;
+          for (int t = 0; t < n; ++t) {
+            f8 acc = {};
+            for (int c = 0; c < D_ / W; ++c) acc += load8(q + c * W) * load8(km.at(c, t));
+            lg[t] = hsum(acc);
+          }
+        }
       } else {
-        std::copy(s.raw.begin(), s.raw.end(), s.kt.begin());
-      }
-    }
-  };
-
-  // Pass 1: logits = (scale * q) . k for every token of the context.
-  for (int b = 0; b < num_blocks; ++b) {
-    const int n = std::min(B, L - b * B);
-    load_block(table[b], false);
-    for (int g = 0; g < G; ++g) {
-      float* lg = s.logits.data() + static_cast<std::size_t>(g) * L + static_cast<std::size_t>(b) * B;
-      const float* q = s.q.data() + static_cast<std::size_t>(g) * D;
-      for (int d = 0; d < D; ++d) {
-        const float qd = q[d];
-        const float* kd = s.kt.data() + static_cast<std::size_t>(d) * B;
-        for (int t = 0; t < n; ++t) lg[t] += qd * kd[t];
+        for (int g = 0; g < G_; ++g) {
+          const float* q = s_.q.data() + gd(g);
+          float* lg = lg0 + static_cast<std::size_t>(g) * L_;
+          for (int t = 0; t < n; ++t) {
+            float acc = 0.0f;
+            for (int d = 0; d < D_; ++d) acc += q[d] * key_at(kb, t, d);
+            lg[t] = acc;
+          }
+        }
       }
     }
   }
 
-  // Softmax per query head (ALiBi bias first).
-  std::vector<float> inv_sum(static_cast<std::size_t>(G));
-  for (int g = 0; g < G; ++g) {
-    float* lg = s.logits.data() + static_cast<std::size_t>(g) * L;
-    if (p.alibi_slopes) {
-      const float slope = p.alibi_slopes[h0 + g];
-      for (int t = 0; t < L; ++t) lg[t] += slope * static_cast<float>(t - L + 1);
+  // Softmax per query head (ALiBi bias first); probabilities stay unnormalised and the
+  // 1 / sum is applied to the output.
+  void softmax() {
+    inv_sum_.resize(static_cast<std::size_t>(G_));
+    for (int g = 0; g < G_; ++g) {
+      float* lg = s_.logits.data() + static_cast<std::size_t>(g) * L_;
+      if (p_.alibi_slopes) {
+        const float slope = p_.alibi_slopes[h0_ + g];
+        for (int t = 0; t < L_; ++t) lg[t] += slope * static_cast<float>(t - L_ + 1);
+      }
+      float mx = -INFINITY;
+      for (int t = 0; t < L_; ++t) mx = std::max(mx, lg[t]);
+      double sum = 0.0;
+      for (int t = 0; t < L_; ++t) {
+        lg[t] = std::exp(lg[t] - mx);
+        sum += lg[t];
+      }
+      inv_sum_[static_cast<std::size_t>(g)] = static_cast<float>(1.0 / sum);
     }
-    float mx = -INFINITY;
-    for (int t = 0; t < L; ++t) mx = std::max(mx, lg[t]);
-    double sum = 0.0;
-    for (int t = 0; t < L; ++t) {
-      lg[t] = std::exp(lg[t] - mx);
-      sum += lg[t];
-    }
-    inv_sum[static_cast<std::size_t>(g)] = static_cast<float>(1.0 / sum);
   }
 
-  // Pass 2: acc = sum_t p_t * v_t.
-  for (int b = 0; b < num_blocks; ++b) {
-    const int n = std::min(B, L - b * B);
-    load_block(table[b], true);
-    for (int g = 0; g < G; ++g) {
-      const float* pr = s.logits.data() + static_cast<std::size_t>(g) * L + static_cast<std::size_t>(b) * B;
-      float* acc = s.acc.data() + static_cast<std::size_t>(g) * D;
-      for (int t = 0; t < n; ++t) {
-        const float w = pr[t];
-        const float* v = s.kt.data() + static_cast<std::size_t>(t) * D;
-        for (int d = 0; d < D; ++d) acc[d] += w * v[d];
+  // acc[g] += sum_t p[g][t] * v[t].
+  PAGEDATTN_HOT void value_pass() {
+    const int num_blocks = (L_ + B_ - 1) / B_;
+    for (int b = 0; b < num_blocks; ++b) {
+      const int n = tokens_in(b);
+      const float* vb = load_block(table_[b], true);
+      const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b) * B_;
+      for (int g = 0; g < G_; ++g) {
+        const float* pr = pr0 + static_cast<std::size_t>(g) * L_;
+        if (p_.layout == CacheLayout::kNHD) {  // vb [B][D]
+          float* acc = s_.acc.data() + gd(g);
+          for (int t = 0; t < n; ++t) {
+            const float w = pr[t];
+            const float* v = vb + static_cast<std::size_t>(t) * D_;
+            if (vec_v_) {
+              const f8 wv = f8{} + w;
+              for (int c = 0; c < D_ / W; ++c) store8(acc + c * W, load8(acc + c * W) + wv * load8(v + c * W));
+            } else {
+              for (int d = 0; d < D_; ++d) acc[d] += w * v[d];
+            }
+          }
+        } else if (vec_v_ && n == B_) {  // vb [D][B], full block: 8 tokens per vector
+          float* acc = s_.acc.data() + gd(g) * W;
+          for (int d = 0; d < D_; ++d) {
+            f8 a = load8(acc + static_cast<std::size_t>(d) * W);
+            const float* vr = vb + static_cast<std::size_t>(d) * B_;
+            for (int tc = 0; tc < B_ / W; ++tc) a += load8(pr + tc * W) * load8(vr + tc * W);
+            store8(acc + static_cast<std::size_t>(d) * W, a);
+          }
+        } else {  // vb [D][B], partial block or scalar path: only the n written tokens are read
+          const int stride = vec_v_ ? W : 1;
+          float* acc = s_.acc.data() + gd(g) * static_cast<std::size_t>(stride);
+          for (int d = 0; d < D_; ++d) {
+            const float* vr = vb + static_cast<std::size_t>(d) * B_;
+            float a = 0.0f;
+            for (int t = 0; t < n; ++t) a += pr[t] * vr[t];
+            acc[static_cast<std::size_t>(d) * stride] += a;
+          }
+        }
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* acc = s.acc.data() + static_cast<std::size_t>(g) * D;
-    const float inv = inv_sum[static_cast<std::size_t>(g)];
-    for (int d = 0; d < D; ++d) acc[d] *= inv;
+
+  void write_out(bool lanes) {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    std::vector<float>& row = s_.raw;
+    row.resize(static_cast<std::size_t>(std::max<std::int64_t>(D_, head_elems_)));
+    for (int g = 0; g < G_; ++g) {
+      const float inv = L_ > 0 ? inv_sum_[static_cast<std::size_t>(g)] : 0.0f;
+      for (int d = 0; d < D_; ++d) {
+        const float a = lanes ? hsum(load8(s_.acc.data() + (gd(g) + d) * W)) : s_.acc[gd(g) + d];
+        row[static_cast<std::size_t>(d)] = a * inv;
+      }
+      char* dst = static_cast<char*>(p_.out) +
+                  (seq_ * p_.o_stride_seq + static_cast<std::int64_t>(h0_ + g) * p_.o_stride_head) * elem;
+      store_row(row.data(), p_.dtype, KVCacheDType::kAuto, 1.0f, D_, dst);
+    }
   }
-  write_out();
-}
+
+  const DecodeParams& p_;
+  const int G_, D_, B_, L_, seq_, kv_head_, h0_;
+  const std::int64_t ce_;
+  const int x_;
+  const std::int64_t head_elems_;
+  const bool direct_, vec_k_, vec_v_;
+  const std::int32_t* table_;
+  Scratch& s_;
+  std::vector<float> inv_sum_;
+};
 
 }  // namespace
 
 void paged_attention(const DecodeParams& p) {
   const std::int64_t tasks = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
   parallel_for(tasks, [&](std::int64_t i) {
-    decode_task(p, static_cast<int>(i / p.num_kv_heads), static_cast<int>(i % p.num_kv_heads));
+    DecodeTask(p, static_cast<int>(i / p.num_kv_heads), static_cast<int>(i % p.num_kv_heads)).run();
   });
 }
 

@@ -1,8 +1,12 @@
 // The one validation pass: every argument of the public entry points is checked here
 // before anything is dispatched. Messages name the argument, what it got and what is
 // allowed.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "pagedattn/attention.hpp"
 #include "pagedattn/errors.hpp"
@@ -63,6 +67,101 @@ void check_dim(const TensorView& t, const char* name, int d, std::int64_t want, 
 
 void check_positive_scale(float v, const char* name) {
   if (!std::isfinite(v) || v <= 0.0f) fail<InvalidArgument>(name, ": must be a finite positive number, got ", v);
+  // fp8 writes store value / scale: a subnormal float32 scale makes 1 / scale infinite
+  // (and 0 / scale NaN), so the smallest accepted scale is the smallest normal float32.
+  if (!std::isnormal(v))
+    fail<InvalidArgument>(name, ": must be at least ", std::numeric_limits<float>::min(),
+                          " (the smallest normal float32), got ", v);
+}
+
+// ---- memory overlap -------------------------------------------------------------------
+// Arrays a call writes must not share memory with anything else of the call (a wrong
+// answer or a race otherwise), and an output must not overlap itself.
+
+std::string strides_str(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.strides[static_cast<std::size_t>(i)]);
+  return s + "]";
+}
+
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, const TensorView& t, const char* name) {
+  if (a != 0 && std::llabs(b) > std::numeric_limits<std::int64_t>::max() / std::llabs(a))
+    fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
+                          " spans more than 2^63 bytes");
+  return a * b;
+}
+
+std::int64_t checked_add(std::int64_t a, std::int64_t b, const TensorView& t, const char* name) {
+  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
+      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b))
+    fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
+                          " spans more than 2^63 bytes");
+  return a + b;
+}
+
+// Byte range [lo, hi) spanned by a view's elements; lo == hi when it has none.
+struct Extent {
+  std::uintptr_t lo = 0, hi = 0;
+};
+
+Extent extent(const TensorView& t, const char* name) {
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[static_cast<std::size_t>(d)] <= 0) return {};
+  const auto es = static_cast<std::int64_t>(std::max<std::size_t>(dtype_size(t.dtype), 1));
+  std::int64_t lo = 0, hi = 0;  // element offsets of the first and last element reached
+  for (int d = 0; d < t.ndim; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    const std::int64_t span = checked_mul(t.shape[i] - 1, t.strides[i], t, name);
+    if (span < 0)
+      lo = checked_add(lo, span, t, name);
+    else
+      hi = checked_add(hi, span, t, name);
+  }
+  const std::int64_t lo_b = checked_mul(lo, es, t, name);
+  const std::int64_t hi_b = checked_add(checked_mul(hi, es, t, name), es, t, name);
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  return {base + static_cast<std::uintptr_t>(lo_b), base + static_cast<std::uintptr_t>(hi_b)};
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.ndim != b.ndim || dtype_size(a.dtype) != dtype_size(b.dtype)) return false;
+  for (int d = 0; d < a.ndim; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.strides[i] != b.strides[i])) return false;
+  }
+  return true;
+}
+
+// `written` must not share memory with `other`; with allow_identical, the very same view
+// (an in-place call such as out=query) is accepted.
+void check_disjoint(const TensorView& written, const char* wname, const TensorView& other, const char* oname,
+                    bool allow_identical = false) {
+  if (allow_identical && same_view(written, other)) return;
+  const Extent a = extent(written, wname), b = extent(other, oname);
+  if (a.lo == a.hi || b.lo == b.hi) return;
+  if (a.lo < b.hi && b.lo < a.hi)
+    fail<InvalidArgument>(wname, " overlaps ", oname, " in memory; ", wname, " must be a separate array",
+                          allow_identical ? detail::concat(" (or ", oname, " itself, for an in-place call)") : "");
+}
+
+// Every element of an array that is written must have its own memory: with the
+// dimensions sorted by stride, each stride must step past everything the smaller ones
+// reach (true of every contiguous array and of slices and permutations of one).
+void check_no_self_overlap(const TensorView& t, const char* name) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (|stride|, size) of dims with size > 1
+  for (int d = 0; d < t.ndim; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (t.shape[i] == 0) return;
+    if (t.shape[i] > 1) dims.emplace_back(t.strides[i] < 0 ? -t.strides[i] : t.strides[i], t.shape[i]);
+  }
+  std::sort(dims.begin(), dims.end());
+  std::int64_t reach = 0;  // largest element offset the smaller dimensions reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach)
+      fail<InvalidArgument>(name, ": its elements overlap in memory (shape ", t.shape_str(), ", strides ",
+                            strides_str(t), "); every element written needs its own memory");
+    reach = checked_add(reach, checked_mul(size - 1, stride, t, name), t, name);
+  }
 }
 
 int to_int(std::int64_t v, const char* what) {
@@ -205,6 +304,13 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     check_dim(a, "alibi_slopes", 0, H, "num_heads");
     check_contiguous(a, "alibi_slopes");
   }
+  check_no_self_overlap(out, "out");
+  check_disjoint(out, "out", query, "query", /*allow_identical=*/true);
+  check_disjoint(out, "out", key_cache, "key_cache");
+  check_disjoint(out, "out", value_cache, "value_cache");
+  check_disjoint(out, "out", block_tables, "block_tables");
+  check_disjoint(out, "out", seq_lens, "seq_lens");
+  if (opt.alibi_slopes) check_disjoint(out, "out", *opt.alibi_slopes, "alibi_slopes");
   float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (opt.scale) {
     scale = *opt.scale;
@@ -253,6 +359,9 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     if (opt.workspace) {
       check_same_device(query, "query", *opt.workspace, "workspace");
       check_contiguous(*opt.workspace, "workspace");
+      const TensorView* inputs[] = {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens};
+      const char* names[] = {"out", "query", "key_cache", "value_cache", "block_tables", "seq_lens"};
+      for (int i = 0; i < 6; ++i) check_disjoint(*opt.workspace, "workspace", *inputs[i], names[i]);
       p.workspace = opt.workspace->data;
       p.workspace_bytes = static_cast<std::size_t>(opt.workspace->numel()) * dtype_size(opt.workspace->dtype);
     }
@@ -318,6 +427,13 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");
   }
+  check_disjoint(value_cache, "value_cache", key_cache, "key_cache");
+  for (const TensorView* cache : {&key_cache, &value_cache}) {
+    const char* cname = cache == &key_cache ? "key_cache" : "value_cache";
+    check_disjoint(*cache, cname, key, "key");
+    check_disjoint(*cache, cname, value, "value");
+    check_disjoint(*cache, cname, slot_mapping, "slot_mapping");
+  }
 
   CacheWriteParams p;
   p.key = key.data;
@@ -366,6 +482,15 @@ CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std
   if (head_size <= 0) fail<InvalidArgument>("head_size: must be positive, got ", head_size);
   if (elem_size != 1 && elem_size != 2 && elem_size != 4)
     fail<InvalidArgument>("dtype: element size ", elem_size, " bytes is not supported (1, 2 or 4)");
+  // Refuse a geometry no array can have (more than 2^63 bytes) instead of returning it.
+  std::int64_t bytes = static_cast<std::int64_t>(elem_size);
+  for (const std::int64_t n : {num_blocks, block_size, num_kv_heads, head_size}) {
+    if (n != 0 && bytes > std::numeric_limits<std::int64_t>::max() / n)
+      fail<InvalidArgument>("kv_cache_shape: num_blocks ", num_blocks, " x block_size ", block_size,
+                            " x num_kv_heads ", num_kv_heads, " x head_size ", head_size, " x ", elem_size,
+                            " bytes exceeds 2^63 bytes");
+    bytes *= n;
+  }
   CacheShapes s;
   if (layout == CacheLayout::kVLLM) {
     const auto x = static_cast<std::int64_t>(16 / elem_size);

@@ -227,10 +227,13 @@ def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
         assert size > 0
         ws = torch.empty(size, dtype=torch.uint8, device=DEV)
     kw = dict(out=out, version=2, partition_size=64, workspace=ws)
-    pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)  # warm-up (sizes the pool when no workspace)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream (sizes its pool when no workspace)
+        pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):
         pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
     for lens in ([5, 640, 0, 33], [640, 640, 640, 640], [1, 2, 3, 4]):
         # new problem in the same buffers: new tables, lengths, queries and cache contents

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple  # noqa: F401, UP035
 
 __all__ = ["ReferenceBlockManager", "ReferenceOutOfBlocks", "run_benchmarks", "simulate_memory_efficiency"]
 
@@ -33,10 +33,10 @@ class _Seq:
     __slots__ = ("tokens", "blocks", "computed", "keys", "extra", "swapped", "first_live")
 
     def __init__(self) -> None:
-        self.tokens: List[int] = []
-        self.blocks: List[int] = []
+        self.tokens: list[int] = []
+        self.blocks: list[int] = []
         self.computed = 0
-        self.keys: List[int] = []
+        self.keys: list[int] = []
         self.extra = 0
         self.swapped = False
         self.first_live = 0
@@ -64,13 +64,13 @@ class ReferenceBlockManager:
         self.ref = [0] * num_blocks
         self.free_list = list(range(num_blocks - 1, -1, -1))
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable cached blocks, oldest first
-        self.cache: Dict[int, int] = {}  # key -> block
-        self.block_key: Dict[int, int] = {}  # registered block -> key
+        self.cache: dict[int, int] = {}  # key -> block
+        self.block_key: dict[int, int] = {}  # registered block -> key
         self.cpu_ref = [0] * num_cpu_blocks
         self.cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_cpu_blocks = num_cpu_blocks
-        self.seqs: Dict[int, _Seq] = {}
-        self.copies: List[Tuple[int, int]] = []
+        self.seqs: dict[int, _Seq] = {}
+        self.copies: list[tuple[int, int]] = []
         self.queried = 0
         self.hits = 0
         self.evictions = 0
@@ -137,9 +137,9 @@ class ReferenceBlockManager:
             self.cache[key] = b
             self.block_key[b] = key
 
-    def _hits(self, tokens: Sequence[int], extra: int) -> Tuple[List[int], List[int], int]:
-        keys: List[int] = []
-        blocks: List[int] = []
+    def _hits(self, tokens: Sequence[int], extra: int) -> tuple[list[int], list[int], int]:
+        keys: list[int] = []
+        blocks: list[int] = []
         from_lru = 0
         if not self.caching or not tokens:
             return keys, blocks, 0
@@ -199,7 +199,7 @@ class ReferenceBlockManager:
             need += 1
         return need
 
-    def _append(self, s: _Seq, tokens: Sequence[int]) -> List[int]:
+    def _append(self, s: _Seq, tokens: Sequence[int]) -> list[int]:
         if not tokens:
             return []
         n0 = len(s.tokens)
@@ -217,15 +217,15 @@ class ReferenceBlockManager:
             slots.append(s.blocks[pos // self.bs] * self.bs + pos % self.bs)
         return slots
 
-    def append_tokens(self, seq_id: int, token_ids: Sequence[int]) -> List[int]:
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int]) -> list[int]:
         s = self._get(seq_id)
         if self._append_demand(s, len(token_ids)) > self.num_available_blocks:
             raise ReferenceOutOfBlocks("append_tokens")
         return self._append(s, token_ids)
 
-    def _batch_demand(self, seqs: List[_Seq]) -> int:
+    def _batch_demand(self, seqs: list[_Seq]) -> int:
         need = 0
-        taken: Dict[int, int] = {}
+        taken: dict[int, int] = {}
         for s in seqs:
             if len(s.tokens) % self.bs == 0:
                 need += 1
@@ -236,13 +236,13 @@ class ReferenceBlockManager:
                 taken[last] = taken.get(last, 0) + 1
         return need
 
-    def _resolve(self, seq_ids: Sequence[int], gpu: bool = True) -> List[_Seq]:
+    def _resolve(self, seq_ids: Sequence[int], gpu: bool = True) -> list[_Seq]:
         seqs = [self._get(int(i), gpu) for i in seq_ids]
         if len(set(int(i) for i in seq_ids)) != len(seqs):
             raise ValueError("duplicate sequence id in batch")
         return seqs
 
-    def append_tokens_batch(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> List[int]:
+    def append_tokens_batch(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> list[int]:
         seqs = self._resolve(seq_ids)
         if self._batch_demand(seqs) > self.num_available_blocks:
             raise ReferenceOutOfBlocks("append_tokens_batch")
@@ -344,20 +344,20 @@ class ReferenceBlockManager:
             s.blocks[j] = -1
         s.first_live = max(s.first_live, end)
 
-    def take_copy_pairs(self) -> List[Tuple[int, int]]:
+    def take_copy_pairs(self) -> list[tuple[int, int]]:
         copies = self.copies
         self.copies = []
         return copies
 
     # ---- swapping ---------------------------------------------------------------------
-    def swap_out(self, seq_ids: Sequence[int]) -> List[Tuple[int, int]]:
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         if self.num_cpu_blocks == 0 or self.copies:
             raise ValueError("swap_out not possible now")
         seqs = self._resolve(seq_ids)
         distinct = {b for s in seqs for b in s.blocks if b >= 0}
         if len(distinct) > len(self.cpu_free):
             raise ReferenceOutOfBlocks("swap_out")
-        mapping: Dict[int, int] = {}
+        mapping: dict[int, int] = {}
         pairs = []
         for s in seqs:
             for b in s.blocks:
@@ -377,14 +377,14 @@ class ReferenceBlockManager:
             s.swapped = True
         return pairs
 
-    def swap_in(self, seq_ids: Sequence[int]) -> List[Tuple[int, int]]:
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         if self.num_cpu_blocks == 0 or self.copies:
             raise ValueError("swap_in not possible now")
         seqs = self._resolve(seq_ids, gpu=False)
         distinct = {c for s in seqs for c in s.blocks if c >= 0}
         if len(distinct) > self.num_available_blocks - self.watermark_blocks:
             raise ReferenceOutOfBlocks("swap_in")
-        mapping: Dict[int, int] = {}
+        mapping: dict[int, int] = {}
         pairs = []
         for s in seqs:
             for j, c in enumerate(s.blocks):
@@ -413,10 +413,10 @@ class ReferenceBlockManager:
     def can_append_batch(self, seq_ids: Sequence[int]) -> bool:
         return self._batch_demand(self._resolve(seq_ids)) <= self.num_available_blocks
 
-    def block_table(self, seq_id: int) -> List[int]:
+    def block_table(self, seq_id: int) -> list[int]:
         return list(self._get(seq_id, None).blocks)
 
-    def block_tables(self, seq_ids: Sequence[int], pad: int = 0) -> List[List[int]]:
+    def block_tables(self, seq_ids: Sequence[int], pad: int = 0) -> list[list[int]]:
         seqs = self._resolve(seq_ids)
         width = max([len(s.blocks) for s in seqs], default=0)
         return [[pad if b < 0 else b for b in s.blocks] + [pad] * (width - len(s.blocks)) for s in seqs]
@@ -518,7 +518,7 @@ def run_benchmarks(quick: bool = False) -> dict:
         counter = iter(range(10**9))
 
         def alloc():
-            m.add_sequence(next(counter), arg)
+            m.add_sequence(next(counter), arg)  # noqa: B023
 
         res[f"alloc2048_cache_off_{name}"] = _median_us(alloc, r)
         # Free of a 2048-token request.
@@ -526,7 +526,7 @@ def run_benchmarks(quick: bool = False) -> dict:
         for i in range(r):
             m.add_sequence(i, arg)
         it = iter(range(r))
-        res[f"free2048_{name}"] = _median_us(lambda: m.free(next(it)), r)
+        res[f"free2048_{name}"] = _median_us(lambda: m.free(next(it)), r)  # noqa: B023
         # Allocation with caching on and evictions: the pool is full of cached blocks;
         # add + compute (hash and register 128 blocks) a new unique prompt.
         m = make(True)
@@ -540,11 +540,11 @@ def run_benchmarks(quick: bool = False) -> dict:
         it = iter(range(r))
 
         def alloc_cached():
-            j = next(it)
-            p = prompts[j] if name == "cpp" else prompts[j].tolist()
-            m.add_sequence(10**6 + j, p)
-            m.step([10**6 + j])
-            m.free(10**6 + j)
+            j = next(it)  # noqa: B023
+            p = prompts[j] if name == "cpp" else prompts[j].tolist()  # noqa: B023
+            m.add_sequence(10**6 + j, p)  # noqa: B023
+            m.step([10**6 + j])  # noqa: B023
+            m.free(10**6 + j)  # noqa: B023
 
         res[f"alloc2048_cache_on_evict_{name}"] = _median_us(alloc_cached, r)
         # Prefix hit of a cached 2048-token prompt (hashing included), then free.
@@ -554,8 +554,8 @@ def run_benchmarks(quick: bool = False) -> dict:
         it = iter(range(1, r + 1))
 
         def hit():
-            j = next(it)
-            assert m.add_sequence(j, arg) == 2032
+            j = next(it)  # noqa: B023
+            assert m.add_sequence(j, arg) == 2032  # noqa: B023
 
         res[f"prefix_hit2048_{name}"] = _median_us(hit, r)
 
@@ -626,8 +626,8 @@ def simulate_memory_efficiency(
     results = {}
     for policy in ("paged", "max", "pow2", "oracle"):
         queue = list(range(num_requests))[::-1]  # pop() = next request
-        running: Dict[int, int] = {}  # request -> tokens so far
-        reserved: Dict[int, int] = {}  # request -> reserved token capacity (contiguous) or blocks*bs
+        running: dict[int, int] = {}  # request -> tokens so far
+        reserved: dict[int, int] = {}  # request -> reserved token capacity (contiguous) or blocks*bs
         used = 0
         util_sum = real_sum = batch_sum = 0.0
         batch_max = steps = 0
@@ -695,7 +695,7 @@ def simulate_memory_efficiency(
     return results
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     import argparse
     import json
     import platform

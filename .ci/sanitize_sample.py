@@ -1,0 +1,73 @@
+"""A representative sample of CUDA calls for compute-sanitizer (memcheck / racecheck):
+every kernel family, both layouts, 16-bit / float32 / fp8 caches, v1 and v2, ALiBi,
+GQA and an odd head size; outputs checked against the float64 reference."""
+
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests/python")
+import pagedattn  # noqa: E402
+from conftest import BF16, assert_close, make_problem  # noqa: E402
+from pagedattn.reference import paged_attention_ref  # noqa: E402
+
+rng = np.random.default_rng(7)
+quick = sys.argv[1:] == ["racecheck"]
+
+
+def t(a):
+    a = np.ascontiguousarray(a)
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(a).cuda()
+
+
+def back(x):
+    x = x.cpu()
+    return x.view(torch.uint16).numpy().view(BF16) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+cases = [
+    dict(dtype=np.float16, layout="vllm", block_size=16, head_size=128, version=1),
+    dict(dtype=BF16, layout="nhd", block_size=8, head_size=80, version=2),
+    dict(dtype=np.float32, layout="vllm", block_size=32, head_size=64, version=2),
+    dict(dtype=np.float32, layout="nhd", block_size=16, head_size=40, version=1),
+]
+if quick:
+    cases = cases[:2]
+for c in cases:
+    p = make_problem(rng, [0, 1, 33, 190], num_heads=8, num_kv_heads=2, head_size=c["head_size"],
+                     block_size=c["block_size"], dtype=c["dtype"], layout=c["layout"], alibi=True)
+    out = pagedattn.paged_attention(*[t(a) for a in p.args()], alibi_slopes=t(p.alibi_slopes), version=c["version"],
+                                    partition_size=64)
+    torch.cuda.synchronize()
+    assert_close(back(out), paged_attention_ref(*p.args(), alibi_slopes=p.alibi_slopes), c["dtype"], str(c))
+
+# fp8 caches written by the CUDA reshape_and_cache, read by decode
+for layout, head in (("vllm", 64), ("nhd", 72)):
+    kshape, vshape = pagedattn.kv_cache_shape(6, 16, 2, head, "uint8", layout)
+    kc = torch.zeros(kshape, dtype=torch.uint8, device="cuda")
+    vc = torch.zeros(vshape, dtype=torch.uint8, device="cuda")
+    k = torch.randn(40, 2, head, dtype=torch.float16, device="cuda")
+    v = torch.randn(40, 2, head, dtype=torch.float16, device="cuda")
+    slots = torch.arange(40, dtype=torch.int64, device="cuda")
+    slots[5] = -1
+    pagedattn.reshape_and_cache(k, v, kc, vc, slots, kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2)
+    q = torch.randn(2, 8, head, dtype=torch.float16, device="cuda")
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32, device="cuda")
+    sl = torch.tensor([37, 20], dtype=torch.int32, device="cuda")
+    out = pagedattn.paged_attention(q, kc, vc, bt, sl, kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2,
+                                    version=2, partition_size=16)
+    ref = paged_attention_ref(q.cpu().numpy(), kc.cpu().numpy(), vc.cpu().numpy(), bt.cpu().numpy(),
+                              sl.cpu().numpy(), kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2)
+    assert_close(out.cpu().numpy(), ref, np.float16, f"fp8 {layout}")
+
+# block copy / swap
+cache = torch.randn(8, 2, 64, 16, dtype=torch.float16, device="cuda")
+pagedattn.copy_blocks([cache], [cache.clone()], [(0, 5), (1, 6)])
+host = torch.zeros(8, 2, 64, 16, dtype=torch.float16, pin_memory=True)
+pagedattn.swap_blocks(cache, host, [(5, 0), (6, 1)])
+torch.cuda.synchronize()
+assert torch.equal(host[0].cuda(), cache[0])
+print("sample ok")
