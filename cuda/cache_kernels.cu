@@ -81,19 +81,22 @@ const void* pick_cache_kernel(KVCacheDType kv, CacheLayout l) {
 // ---------------------------------------------------------------------------------
 // copy_blocks
 // ---------------------------------------------------------------------------------
-constexpr int kMaxCopyArrays = 512;
-constexpr int kMaxInlinePairs = 2048;
+// Kept under the classic 4 KB kernel-parameter limit; larger calls are split into a
+// few launches (arrays in groups of kMaxCopyArrays, host pairs in groups of
+// kMaxInlinePairs).
+constexpr int kMaxCopyArrays = 64;
+constexpr int kMaxInlinePairs = 256;
 
 struct CopyBlocksKernelParams {
   char* arrays[kMaxCopyArrays];
-  std::int64_t block_bytes[kMaxCopyArrays];  // shared by all when `uniform`
+  std::int64_t block_bytes[kMaxCopyArrays];
   std::int64_t num_blocks[kMaxCopyArrays];
   std::int32_t inline_pairs[kMaxInlinePairs][2];  // host mapping, copied with the launch
   const void* mapping;                            // device mapping [P, 2] or null
   bool mapping_int64;
   bool vec16;  // every block and base 16-byte aligned
 };
-static_assert(sizeof(CopyBlocksKernelParams) < 32000, "kernel parameters are limited to 32 KB");
+static_assert(sizeof(CopyBlocksKernelParams) <= 4096, "kernel parameters over 4 KB");
 
 // grid (pairs, arrays); threads copy one block of one array.
 __global__ void copy_blocks_kernel(const __grid_constant__ CopyBlocksKernelParams p) {
@@ -170,40 +173,43 @@ void reshape_and_cache(const CacheWriteParams& p, void* stream_handle) {
 void copy_blocks(const CopyBlocksParams& p, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);
-  const auto n = static_cast<int>(p.arrays.size());
+  const auto n = static_cast<std::int64_t>(p.arrays.size());
   if (n == 0 || p.num_pairs == 0) return;
-  if (n > kMaxCopyArrays)
-    fail<NotSupported>("copy_blocks (CUDA): at most ", kMaxCopyArrays, " arrays per call, got ", n);
-  if (p.mapping_on_host && p.num_pairs > kMaxInlinePairs)
-    fail<NotSupported>("copy_blocks (CUDA): a host block_mapping holds at most ", kMaxInlinePairs,
-                       " pairs per call, got ", p.num_pairs, "; pass the mapping on the caches' device");
-  if (p.num_pairs > 0x7fffffff) fail<NotSupported>("copy_blocks (CUDA): too many pairs: ", p.num_pairs);
-  // The struct is large (the kernel-parameter space): keep it off the stack.
-  static thread_local CopyBlocksKernelParams k;
-  k.vec16 = true;
-  for (int i = 0; i < n; ++i) {
-    k.arrays[i] = static_cast<char*>(p.arrays[static_cast<std::size_t>(i)]);
-    k.block_bytes[i] = p.block_bytes[static_cast<std::size_t>(i)];
-    k.num_blocks[i] = p.num_blocks[static_cast<std::size_t>(i)];
-    if (k.block_bytes[i] % 16 != 0 || reinterpret_cast<std::uintptr_t>(k.arrays[i]) % 16 != 0) k.vec16 = false;
+  const std::int64_t pair_step = p.mapping_on_host ? kMaxInlinePairs : 0x7fffffff;
+  for (std::int64_t a0 = 0; a0 < n; a0 += kMaxCopyArrays) {
+    const int na = static_cast<int>(std::min<std::int64_t>(kMaxCopyArrays, n - a0));
+    for (std::int64_t p0 = 0; p0 < p.num_pairs; p0 += pair_step) {
+      const std::int64_t np = std::min(pair_step, p.num_pairs - p0);
+      CopyBlocksKernelParams k{};
+      k.vec16 = true;
+      for (int i = 0; i < na; ++i) {
+        const auto ai = static_cast<std::size_t>(a0 + i);
+        k.arrays[i] = static_cast<char*>(p.arrays[ai]);
+        k.block_bytes[i] = p.block_bytes[ai];
+        k.num_blocks[i] = p.num_blocks[ai];
+        if (k.block_bytes[i] % 16 != 0 || reinterpret_cast<std::uintptr_t>(k.arrays[i]) % 16 != 0) k.vec16 = false;
+      }
+      k.mapping_int64 = p.mapping_int64;
+      if (p.mapping_on_host) {
+        k.mapping = nullptr;
+        for (std::int64_t i = 0; i < np; ++i)
+          for (int j = 0; j < 2; ++j) {
+            const std::int64_t e = 2 * (p0 + i) + j;
+            k.inline_pairs[i][j] = p.mapping_int64
+                                       ? static_cast<std::int32_t>(static_cast<const std::int64_t*>(p.mapping)[e])
+                                       : static_cast<const std::int32_t*>(p.mapping)[e];
+          }
+      } else {
+        k.mapping = static_cast<const char*>(p.mapping) + 2 * p0 * (p.mapping_int64 ? 8 : 4);
+      }
+      void* args[] = {&k};
+      check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(&copy_blocks_kernel),
+                                  dim3(static_cast<unsigned>(np), static_cast<unsigned>(na)), dim3(256), args, 0,
+                                  stream),
+                 "copy_blocks: kernel launch");
+      check_launch("copy_blocks");
+    }
   }
-  k.mapping_int64 = p.mapping_int64;
-  if (p.mapping_on_host) {
-    k.mapping = nullptr;
-    for (std::int64_t i = 0; i < p.num_pairs; ++i)
-      for (int j = 0; j < 2; ++j)
-        k.inline_pairs[i][j] = p.mapping_int64
-                                   ? static_cast<std::int32_t>(static_cast<const std::int64_t*>(p.mapping)[2 * i + j])
-                                   : static_cast<const std::int32_t*>(p.mapping)[2 * i + j];
-  } else {
-    k.mapping = p.mapping;
-  }
-  void* args[] = {&k};
-  check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(&copy_blocks_kernel),
-                              dim3(static_cast<unsigned>(p.num_pairs), static_cast<unsigned>(n)), dim3(256), args, 0,
-                              stream),
-             "copy_blocks: kernel launch");
-  check_launch("copy_blocks");
 }
 
 void swap_blocks(const SwapBlocksParams& p, void* stream_handle) {

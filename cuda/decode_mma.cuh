@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
 
   // ---- Q fragments (A operand), permuted dims, zero for rows >= `rows` / dims >= D
   std::uint32_t qa[C::kKSteps][4];
-  {
+  auto load_q = [&]() {
     const T* q0 = static_cast<const T*>(p.query) + s * p.q_stride_seq;
 #pragma unroll
     for (int st = 0; st < C::kKSteps; ++st) {
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         qa[st][2 + half] = pack2<T>(v[2], v[3]);
       }
     }
-  }
+  };
   float slope[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -161,14 +161,31 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   bool bad = false;
 
   // ---- issue the cp.async copies of this warp's i-th chunk into its stage
-  auto load_chunk = [&](int i) {
+  // Raw block ids of tokens t0 and t0 + 8 of the warp's i-th chunk (one block when
+  // B >= 16), loaded one iteration before use so the load latency stays hidden.
+  const std::int32_t* table_row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+  auto raw_ids = [&](int i, int& a, int& b) {
+    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    a = b = 0;
+    if (i < my_chunks) {
+      a = __ldg(table_row + t0 / B);
+      b = (B < 16 && t0 + 8 < tok_end) ? __ldg(table_row + (t0 + 8) / B) : a;
+    }
+  };
+  auto checked = [&](int id, int col) {
+    if (id < 0 || id >= p.num_blocks) {
+      record_error(p.error, 1, s, col, id);
+      return -1;
+    }
+    return id;
+  };
+  auto load_chunk = [&](int i, int rawA, int rawB) {
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     unsigned char* vs = ks + C::kKBytes;
-    // Block ids of tokens t0 and t0 + 8 (one block when B >= 16).
-    int idA = load_block_id(p, s, t0 / B);
+    const int idA = checked(rawA, t0 / B);
     int idB = idA;
-    if (B < 16) idB = t0 + 8 < tok_end ? load_block_id(p, s, (t0 + 8) / B) : -1;
+    if (B < 16) idB = t0 + 8 < tok_end ? checked(rawB, (t0 + 8) / B) : -1;
     bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
     if constexpr (L == CacheLayout::kVLLM) {
       // K: [N, K, D/x, B, x] -> piece (chunk j, token t) is 16 contiguous bytes.
@@ -246,12 +263,18 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
 
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) {
-    if (i < my_chunks) load_chunk(i);
+    int a, b;
+    raw_ids(i, a, b);
+    if (i < my_chunks) load_chunk(i, a, b);
     cp_async_commit();
   }
+  int next_a, next_b;
+  raw_ids(C::kStages - 1, next_a, next_b);
+  load_q();  // overlaps the first copies
 
   for (int i = 0; i < my_chunks; ++i) {
-    if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1);
+    if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1, next_a, next_b);
+    raw_ids(i + C::kStages, next_a, next_b);
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();
     __syncwarp();

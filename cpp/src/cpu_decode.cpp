@@ -10,8 +10,9 @@
 //   - values: 8-wide multiply-adds along the block's tokens (vllm, [D][B]) or along
 //     the head dimension (nhd, [B][D]), accumulated without reduction until the end.
 // Head sizes that are not a multiple of 8 (and vllm blocks not a multiple of 8 for the
-// values) take a plain scalar path. Softmax is the numerically stable two-pass form over
-// the whole context in float32.
+// values) take a plain scalar path. Softmax is numerically stable (max subtracted) in
+// float32, over chunks of at most kChunkTokens tokens with a running max and sum (the
+// online form), so a task's scratch does not grow with the context length.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,6 +27,8 @@ namespace pagedattn::cpu {
 namespace {
 
 constexpr int W = 8;  // floats per vector chunk
+// Tokens whose logits a task holds at once (rounded down to whole blocks, at least one).
+constexpr int kChunkTokens = 4096;
 typedef float f8 __attribute__((vector_size(W * sizeof(float))));
 
 inline f8 load8(const float* p) {
@@ -42,7 +45,7 @@ inline float hsum(f8 v) {
 
 struct Scratch {
   std::vector<float> q;       // [G, D], pre-scaled
-  std::vector<float> logits;  // [G, L]
+  std::vector<float> logits;  // [G, chunk tokens]
   std::vector<float> raw;     // one block of one head as float32, in cache order (D * B)
   std::vector<float> chunked;  // float32 vllm keys re-chunked to [D/8][B][8]
   std::vector<float> acc;     // [G, D] (nhd, scalar) or [G, D, 8] lanes (vllm vector path)
@@ -92,9 +95,21 @@ class DecodeTask {
     s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
     if (L_ > 0) {
       load_query();
-      logits_pass();
-      softmax();
-      value_pass();
+      const int num_blocks = (L_ + B_ - 1) / B_;
+      const int chunk = std::max(1, kChunkTokens / B_);
+      lstride_ = std::min(num_blocks, chunk) * B_;
+      s_.logits.resize(static_cast<std::size_t>(G_) * static_cast<std::size_t>(lstride_));
+      max_.assign(static_cast<std::size_t>(G_), -INFINITY);
+      sum_.assign(static_cast<std::size_t>(G_), 0.0);
+      for (int b0 = 0; b0 < num_blocks; b0 += chunk) {
+        const int b1 = std::min(num_blocks, b0 + chunk);
+        logits_pass(b0, b1);
+        softmax(b0, b1, lanes);
+        value_pass(b0, b1);
+      }
+      inv_sum_.resize(static_cast<std::size_t>(G_));
+      for (int g = 0; g < G_; ++g)
+        inv_sum_[static_cast<std::size_t>(g)] = static_cast<float>(1.0 / sum_[static_cast<std::size_t>(g)]);
     }
     write_out(lanes);
   }
@@ -153,19 +168,17 @@ class DecodeTask {
     return {s_.chunked.data(), 1, static_cast<std::int64_t>(B_) * W, W};
   }
 
-  // logits[g][t] = (scale * q[g]) . k[t] for every token of the context.
-  PAGEDATTN_HOT void logits_pass() {
-    s_.logits.assign(static_cast<std::size_t>(G_) * L_, 0.0f);
-    const int num_blocks = (L_ + B_ - 1) / B_;
-    for (int b = 0; b < num_blocks; ++b) {
+  // logits[g][t - b0 * B] = (scale * q[g]) . k[t] for every token of blocks [b0, b1).
+  PAGEDATTN_HOT void logits_pass(int b0, int b1) {
+    for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
       const float* kb = load_block(table_[b], false);
-      float* lg0 = s_.logits.data() + static_cast<std::size_t>(b) * B_;
+      float* lg0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       if (vec_k_) {
         const ChunkMap km = key_chunks(kb);
         for (int g = 0; g < G_; ++g) {
           const float* q = s_.q.data() + gd(g);
-          float* lg = lg0 + static_cast<std::size_t>(g) * L_;
+          float* lg = lg0 + static_cast<std::size_t>(g) * lstride_;
           for (int t = 0; t < n; ++t) {
             f8 acc = {};
             for (int c = 0; c < D_ / W; ++c) acc += load8(q + c * W) * load8(km.at(c, t));
@@ -175,7 +188,7 @@ class DecodeTask {
       } else {
         for (int g = 0; g < G_; ++g) {
           const float* q = s_.q.data() + gd(g);
-          float* lg = lg0 + static_cast<std::size_t>(g) * L_;
+          float* lg = lg0 + static_cast<std::size_t>(g) * lstride_;
           for (int t = 0; t < n; ++t) {
             float acc = 0.0f;
             for (int d = 0; d < D_; ++d) acc += q[d] * key_at(kb, t, d);
@@ -186,36 +199,50 @@ class DecodeTask {
     }
   }
 
-  // Softmax per query head (ALiBi bias first); probabilities stay unnormalised and the
-  // 1 / sum is applied to the output.
-  void softmax() {
-    inv_sum_.resize(static_cast<std::size_t>(G_));
+  // Softmax of one chunk per query head (ALiBi bias first), online: the running max
+  // rises to cover the chunk, the sum and the accumulated output are rescaled to it.
+  // Probabilities stay unnormalised; the 1 / sum is applied to the output. With a single
+  // chunk this is exactly the two-pass softmax over the whole context.
+  void softmax(int b0, int b1, bool lanes) {
+    const int t0 = b0 * B_;
+    const int n = std::min(L_, b1 * B_) - t0;
+    const std::size_t acc_len = static_cast<std::size_t>(D_) * (lanes ? W : 1);
     for (int g = 0; g < G_; ++g) {
-      float* lg = s_.logits.data() + static_cast<std::size_t>(g) * L_;
+      const auto gi = static_cast<std::size_t>(g);
+      float* lg = s_.logits.data() + gi * static_cast<std::size_t>(lstride_);
       if (p_.alibi_slopes) {
         const float slope = p_.alibi_slopes[h0_ + g];
-        for (int t = 0; t < L_; ++t) lg[t] += slope * static_cast<float>(t - L_ + 1);
+        for (int j = 0; j < n; ++j) lg[j] += slope * static_cast<float>(t0 + j - L_ + 1);
       }
-      float mx = -INFINITY;
-      for (int t = 0; t < L_; ++t) mx = std::max(mx, lg[t]);
-      double sum = 0.0;
-      for (int t = 0; t < L_; ++t) {
-        lg[t] = std::exp(lg[t] - mx);
-        sum += lg[t];
+      float mx = max_[gi];
+      for (int j = 0; j < n; ++j) mx = std::max(mx, lg[j]);
+      if (mx == -INFINITY) {  // nothing but -inf so far: these tokens weigh 0
+        std::fill(lg, lg + n, 0.0f);
+        continue;
       }
-      inv_sum_[static_cast<std::size_t>(g)] = static_cast<float>(1.0 / sum);
+      const float corr = std::exp(max_[gi] - mx);  // 0 on the first finite chunk
+      if (corr != 1.0f) {
+        float* acc = s_.acc.data() + gi * acc_len;
+        for (std::size_t i = 0; i < acc_len; ++i) acc[i] *= corr;
+      }
+      double sum = sum_[gi] * corr;
+      for (int j = 0; j < n; ++j) {
+        lg[j] = std::exp(lg[j] - mx);
+        sum += lg[j];
+      }
+      sum_[gi] = sum;
+      max_[gi] = mx;
     }
   }
 
-  // acc[g] += sum_t p[g][t] * v[t].
-  PAGEDATTN_HOT void value_pass() {
-    const int num_blocks = (L_ + B_ - 1) / B_;
-    for (int b = 0; b < num_blocks; ++b) {
+  // acc[g] += sum_t p[g][t] * v[t] over the tokens of blocks [b0, b1).
+  PAGEDATTN_HOT void value_pass(int b0, int b1) {
+    for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
       const float* vb = load_block(table_[b], true);
-      const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b) * B_;
+      const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       for (int g = 0; g < G_; ++g) {
-        const float* pr = pr0 + static_cast<std::size_t>(g) * L_;
+        const float* pr = pr0 + static_cast<std::size_t>(g) * lstride_;
         if (p_.layout == CacheLayout::kNHD) {  // vb [B][D]
           float* acc = s_.acc.data() + gd(g);
           for (int t = 0; t < n; ++t) {
@@ -274,6 +301,9 @@ class DecodeTask {
   const bool direct_, vec_k_, vec_v_;
   const std::int32_t* table_;
   Scratch& s_;
+  int lstride_ = 0;            // logits row length: tokens of one chunk
+  std::vector<float> max_;     // [G] running max of the logits
+  std::vector<double> sum_;    // [G] running sum of exp(logit - max)
   std::vector<float> inv_sum_;
 };
 

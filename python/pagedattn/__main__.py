@@ -1,15 +1,24 @@
-"""``python -m pagedattn``: a self-check and short demo of the decode API.
+"""``python -m pagedattn``: serve a continuous-batching workload end to end (the main job).
 
-Options:
+Commands:
+  (none)          the serving demo: a tiny transformer with random weights served by a
+                  continuous-batching loop on pagedattn (block manager, reshape_and_cache,
+                  paged_attention, copy_blocks, swap_blocks), every attention output
+                  checked against float64; prints a report. ``--help`` lists its options.
+  bench           the kernel benchmark: pagedattn.bench.kernels on a GPU, else
+                  pagedattn.bench.cpu_decode (CPU path against a NumPy baseline);
+                  ``--plot FILE.png`` adds GB/s against context length.
+  selfcheck       decode two realistic shapes, check them against float64, print throughput.
+
+Options (no command):
   --cmake-dir     print the folder to pass as pagedattn_DIR to CMake and exit
   --include-dir   print the C++ include folder and exit
-  --device        cpu | cuda | auto (default: cuda when this build and a CUDA array
-                  library (CuPy or torch) are available, else cpu)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -61,8 +70,10 @@ def run_demo(device: str, seed: int = 0) -> int:
         if lib is None:
             print("error: --device cuda needs CuPy or torch with a visible GPU", file=sys.stderr)
             return 2
-    print(f"pagedattn {pagedattn.__version__}: device {device}"
-          + (f" (arrays through {lib_name})" if lib_name else f" ({pagedattn._core.num_threads()} CPU threads)"))
+    print(
+        f"pagedattn {pagedattn.__version__}: device {device}"
+        + (f" (arrays through {lib_name})" if lib_name else f" ({pagedattn._core.num_threads()} CPU threads)")
+    )
     ok = True
     for title, (s, h, k, d, b, length) in shapes:
         arrays = _random_problem(rng, s, h, k, d, b, length, np.float16)
@@ -93,18 +104,177 @@ def run_demo(device: str, seed: int = 0) -> int:
         kv_bytes = 2 * s * length * k * d * 2
         good = bool(np.isfinite(err) and err < 2e-3)
         ok &= good
-        print(f"  {title}\n    {dt * 1e3:8.3f} ms/call, {kv_bytes / dt / 1e9:7.2f} GB/s of KV read, "
-              f"relative error vs float64 {err:.1e}: {'ok' if good else 'MISMATCH'}")
+        print(
+            f"  {title}\n    {dt * 1e3:8.3f} ms/call, {kv_bytes / dt / 1e9:7.2f} GB/s of KV read, "
+            f"relative error vs float64 {err:.1e}: {'ok' if good else 'MISMATCH'}"
+        )
     print("self-check passed" if ok else "self-check FAILED")
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedattn", description=__doc__.splitlines()[0])
-    parser.add_argument("--cmake-dir", action="store_true", help="print pagedattn_DIR for CMake and exit")
-    parser.add_argument("--include-dir", action="store_true", help="print the C++ include folder and exit")
+def selfcheck_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedattn selfcheck", description="Decode two realistic shapes and check them against float64."
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if pagedattn.built_with_cuda() and _cuda_lib()[1] is not None else "cpu"
+    return run_demo(device, args.seed)
+
+
+# ---------------------------------------------------------------------------------------
+# bench: dispatch to the GPU or CPU benchmark, plus the GB/s-against-context plot
+# ---------------------------------------------------------------------------------------
+_BENCH_HELP = """Runs pagedattn.bench.kernels.main(argv) on a GPU (needs this build with CUDA and
+PyTorch with a GPU), else pagedattn.bench.cpu_decode.main(argv) (the CPU path against a
+NumPy baseline). Options other than --device and --plot go to that benchmark: see
+`python -m pagedattn.bench.kernels --help` and `python -m pagedattn.bench.cpu_decode --help`
+(both take --json FILE and --reps N)."""
+
+
+def _torch_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a torch without a usable driver
+        return False
+
+
+def _option_value(argv, name):
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in argv, else None."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _plot_gbs(series, path, title):
+    """series: {label: [(context, GB/s), ...]} -> a PNG at path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    for label, points in sorted(series.items()):
+        points = sorted(points)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", lw=1.2, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens per sequence)")
+    ax.set_ylabel("GB/s of KV cache read")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _cpu_context_sweep(reps):
+    """GB/s of pagedattn and of the NumPy baseline over context lengths (GQA 32/8, d128, fp16, 4 seqs)."""
+    from pagedattn.bench import cpu_decode
+
+    rng = np.random.default_rng(0)
+    series = {"pagedattn (CPU)": [], "NumPy gather + softmax": []}
+    for context in (128, 256, 512, 1024, 2048, 4096, 8192):
+        args = cpu_decode.make_inputs(rng, 4, 32, 8, 128, 16, context, np.dtype(np.float16))
+        out = np.empty_like(args[0])
+        t_pa = cpu_decode.time_call(lambda a=args, o=out: pagedattn.paged_attention(*a, out=o), reps)
+        t_np = cpu_decode.time_call(lambda a=args: cpu_decode.numpy_baseline(*a), max(1, reps // 2))
+        kv_bytes = 2 * 4 * context * 8 * 128 * 2
+        series["pagedattn (CPU)"].append((context, kv_bytes / t_pa / 1e9))
+        series["NumPy gather + softmax"].append((context, kv_bytes / t_np / 1e9))
+        print(
+            f"  context {context:5d}: pagedattn {kv_bytes / t_pa / 1e9:6.2f} GB/s, "
+            f"NumPy {kv_bytes / t_np / 1e9:6.2f} GB/s"
+        )
+    return series
+
+
+def bench_main(argv=None) -> int:
+    argv = list(argv or [])
+    parser = argparse.ArgumentParser(prog="python -m pagedattn bench", description=_BENCH_HELP, add_help=False)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write GB/s against context length (needs matplotlib)")
+    args, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if pagedattn.built_with_cuda() and _torch_gpu() else "cpu"
+    if device == "cuda" and not (pagedattn.built_with_cuda() and _torch_gpu()):
+        print("error: bench --device cuda needs a CUDA build of pagedattn and PyTorch with a GPU", file=sys.stderr)
+        return 2
+    plot_problem = None
+    if args.plot:
+        from pagedattn.demo.report import plot_unavailable_reason
+
+        plot_problem = plot_unavailable_reason()
+        if plot_problem:
+            print(f"warning: {plot_problem}; running without the plot", file=sys.stderr)
+    if device == "cuda":
+        from pagedattn.bench import kernels
+
+        rc = kernels.main(rest)
+        if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
+            return rc
+        with open(_option_value(rest, "--json") or "bench_kernels.json") as f:
+            result = json.load(f)
+        series = {}
+        for r in result["rows"]:
+            if "gbs" in r:
+                label = f"{r['impl']}, batch {r['batch']}, {r['num_heads']}/{r['num_kv_heads']} heads d{r['head_size']}"
+                series.setdefault(label, []).append((r["context"], r["gbs"]))
+        series = {k: v for k, v in series.items() if len(v) > 1}  # lines need two contexts
+        _plot_gbs(series, args.plot, f"paged decode on {result['device']}")
+        print(f"wrote {args.plot}")
+        return 0
+    from pagedattn.bench import cpu_decode
+
+    rc = cpu_decode.main(rest)
+    if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
+        return rc
+    reps = int(_option_value(rest, "--reps") or 3)
+    print("GB/s against context length (4 sequences, 32 query / 8 KV heads, head size 128, float16):")
+    _plot_gbs(
+        _cpu_context_sweep(reps),
+        args.plot,
+        f"CPU decode, {pagedattn._core.num_threads()} threads: GB/s against context length",
+    )
+    print(f"wrote {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# the default command: the serving demo
+# ---------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "selfcheck":
+        return selfcheck_main(argv[1:])
+    if argv and argv[0] == "bench":
+        return bench_main(argv[1:])
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    from pagedattn.demo.cli import add_serve_arguments, serve
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedattn",
+        description="Serve a continuous-batching workload with pagedattn and check every attention output. "
+        "Other commands: `python -m pagedattn bench [--help]`, `python -m pagedattn selfcheck`.",
+    )
+    parser.add_argument("--cmake-dir", action="store_true", help="print pagedattn_DIR for CMake and exit")
+    parser.add_argument("--include-dir", action="store_true", help="print the C++ include folder and exit")
+    add_serve_arguments(parser)
     args = parser.parse_args(argv)
     if args.cmake_dir:
         print(pagedattn.cmake_dir())
@@ -112,10 +282,7 @@ def main(argv=None) -> int:
     if args.include_dir:
         print(pagedattn.include_dir())
         return 0
-    device = args.device
-    if device == "auto":
-        device = "cuda" if pagedattn.built_with_cuda() and _cuda_lib()[1] is not None else "cpu"
-    return run_demo(device, args.seed)
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,231 @@
+"""The serving demo's final report, its JSON form, the optional plot and a progress bar.
+
+Memory figures are computed from the block manager's state, sampled after every
+iteration (:meth:`Engine._sample_memory`):
+
+- **paged utilisation** = tokens held / slots allocated, summed over all samples. Tokens
+  held counts each physical slot once (a block shared by forks or a cached system
+  prompt holds its tokens once); slots allocated = blocks in use x block size.
+- **contiguous utilisation**: the same running sequences, each reserving ``max_len``
+  contiguous slots (the longest sequence the model serves, as engines without paging
+  do): logical tokens / (sequences x max_len).
+- **largest batch**: paged, the most sequences this run decoded at once; contiguous,
+  how many ``max_len`` reservations fit in the same pool.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+import numpy as np
+
+from .engine import Engine, itemsize_of
+
+__all__ = ["summarize", "format_report", "write_plot", "Progress", "plot_unavailable_reason"]
+
+
+def summarize(e: Engine) -> dict[str, Any]:
+    cfg, mc = e.cfg, e.cfg.model
+    tl = np.asarray(e.timeline, dtype=np.int64).reshape(-1, 5)
+    steps, used, held, logical, seqs = (tl[:, i] for i in range(5))
+    bs = cfg.block_size
+    token_bytes = mc.kv_bytes_per_token(itemsize_of(cfg.dtype))
+    pool_tokens = cfg.num_blocks * bs
+    slots = int((used * bs).sum())
+    reserved = int((seqs * mc.max_len).sum())
+    stats = e.manager.prefix_cache_stats
+    ck = e.checker
+    return {
+        "device": e.be.describe(),
+        "dtype": cfg.dtype,
+        "requests": len(e.requests),
+        "sequences": e.next_sid,
+        "prompt_tokens": e.prompt_tokens,
+        "prefill_tokens_computed": e.prefill_computed,
+        "tokens_generated": e.generated,
+        "iterations": len(e.timeline),  # engine iterations (idle stretches between arrivals are skipped)
+        "last_step": int(e.step_no),
+        "decode_steps": e.decode_steps,
+        "seconds": e.wall,
+        "check_seconds": ck.seconds,
+        "tokens_per_second": e.generated / e.wall if e.wall > 0 else 0.0,
+        "tokens_per_second_unchecked": e.generated / max(e.wall - ck.seconds, 1e-9),
+        "peak_batch": e.peak_batch,
+        "mean_batch": e.batch_sum / max(e.decode_steps, 1),
+        "forks": e.forks,
+        "cow_block_copies": e.kv.blocks_copied,
+        "preemptions_swap": e.swaps,
+        "preemptions_recompute": e.recomputes,
+        "swap_ins": e.swap_ins,
+        "blocks_swapped_out": e.kv.blocks_swapped_out,
+        "blocks_swapped_in": e.kv.blocks_swapped_in,
+        "prefix_caching": cfg.prefix_caching,
+        "prefix_cache_queried_tokens": int(stats["queried_tokens"]),
+        "prefix_cache_hit_tokens": int(stats["hit_tokens"]),
+        "prefix_cache_hit_rate": float(stats["hit_rate"]),
+        "prefix_cache_evictions": int(stats["evictions"]),
+        "block_size": bs,
+        "num_blocks": cfg.num_blocks,
+        "num_cpu_blocks": cfg.num_cpu_blocks,
+        "kv_bytes_per_token": token_bytes,
+        "pool_bytes": pool_tokens * token_bytes,
+        "max_len": mc.max_len,
+        "paged_utilisation": float(held.sum() / slots) if slots else 0.0,
+        "paged_peak_used_blocks": int(used.max()) if len(used) else 0,
+        "contiguous_utilisation": float(logical.sum() / reserved) if reserved else 0.0,
+        "contiguous_max_batch": pool_tokens // mc.max_len,
+        "sharing_ratio": float(logical.sum() / held.sum()) if held.sum() else 1.0,
+        "checked_decode_outputs": ck.checked["decode"],
+        "checked_prefill_outputs": ck.checked["prefill"],
+        "check_sample": cfg.check_sample,
+        "worst_error_over_tolerance": ck.worst,
+        "tolerance": {"atol": ck.atol, "rtol": ck.rtol},
+        "timeline": {
+            "step": steps.tolist(),
+            "used_blocks": used.tolist(),
+            "tokens_held": held.tolist(),
+            "logical_tokens": logical.tolist(),
+            "sequences": seqs.tolist(),
+        },
+    }
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MB"
+
+
+def format_report(s: dict[str, Any]) -> str:
+    checked = s["checked_decode_outputs"] + s["checked_prefill_outputs"]
+    sample = "" if s["check_sample"] >= 1.0 else f" (a {s['check_sample']:.0%} sample per step)"
+    pc = (
+        f"{s['prefix_cache_hit_rate']:.1%} of prompt tokens looked up "
+        f"({s['prefix_cache_hit_tokens']} / {s['prefix_cache_queried_tokens']}, recomputations included)"
+        if s["prefix_caching"]
+        else "off"
+    )
+    lines = [
+        "",
+        f"served {s['requests']} requests ({s['sequences']} sequences, {s['forks']} forked) in {s['seconds']:.2f} s "
+        f"on {s['device']}, {s['dtype']}",
+        f"  tokens generated      {s['tokens_generated']}  ({s['tokens_per_second']:.0f} tokens/s; "
+        f"{s['tokens_per_second_unchecked']:.0f} tokens/s without the float64 checks)",
+        f"  prompt tokens         {s['prompt_tokens']}  ({s['prefill_tokens_computed']} run through the model)",
+        f"  decode steps          {s['decode_steps']}  (batch: peak {s['peak_batch']}, mean {s['mean_batch']:.1f})",
+        f"  preemptions           {s['preemptions_swap'] + s['preemptions_recompute']}  "
+        f"(swap {s['preemptions_swap']}: {s['blocks_swapped_out']} blocks out, {s['blocks_swapped_in']} in; "
+        f"recompute {s['preemptions_recompute']})",
+        f"  copy-on-write         {s['cow_block_copies']} block copies",
+        f"  prefix-cache hits     {pc}",
+        f"KV memory: pool of {s['num_blocks']} blocks x {s['block_size']} tokens = {_mb(s['pool_bytes'])} "
+        f"({s['kv_bytes_per_token']} bytes per token, all layers)",
+        f"  paged                 {s['paged_utilisation']:.1%} of allocated slots hold tokens; "
+        f"largest batch {s['peak_batch']} sequences; {s['sharing_ratio']:.2f} sequence tokens per slot "
+        "(shared prefixes and forks)",
+        f"  contiguous            {s['contiguous_utilisation']:.1%} of reserved slots would hold tokens "
+        f"(reserving {s['max_len']} per sequence); largest batch {s['contiguous_max_batch']} sequences",
+        f"checked {checked} attention outputs{sample} against dense float64 attention: all within tolerance "
+        f"(worst {s['worst_error_over_tolerance']:.2f} of atol {s['tolerance']['atol']:g} + "
+        f"rtol {s['tolerance']['rtol']:g})",
+    ]
+    return "\n".join(lines)
+
+
+def plot_unavailable_reason() -> Optional[str]:
+    """None when matplotlib can be imported, else why not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"--plot needs matplotlib, which is not installed ({e}); pip install matplotlib"
+    return None
+
+
+def write_plot(s: dict[str, Any], path: str) -> None:
+    """KV memory in use over time: paged (blocks in use, tokens held) against contiguous reservation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = s["timeline"]
+    step = np.asarray(tl["step"])
+    tb = s["kv_bytes_per_token"] / 2**20
+    paged = np.asarray(tl["used_blocks"]) * s["block_size"] * tb
+    held = np.asarray(tl["tokens_held"]) * tb
+    contiguous = np.asarray(tl["sequences"]) * s["max_len"] * tb
+    pool = s["pool_bytes"] / 2**20
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    ax.plot(step, contiguous, color="tab:red", lw=1.2, label=f"contiguous: {s['max_len']} slots reserved per sequence")
+    ax.plot(step, paged, color="tab:blue", lw=1.2, label="paged: blocks in use")
+    ax.fill_between(step, 0, held, color="tab:blue", alpha=0.25, lw=0, label="tokens actually held")
+    ax.axhline(pool, color="black", ls="--", lw=1, label=f"KV pool ({pool:.1f} MB)")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV memory (MB)")
+    top = max(pool * 1.15, float(paged.max(initial=0)) * 1.05, min(float(contiguous.max(initial=0)), pool * 4))
+    ax.set_ylim(0, top)
+    if contiguous.max(initial=0) > top:
+        peak = int(np.argmax(contiguous))
+        ax.annotate(
+            f"contiguous peaks at {contiguous[peak]:.0f} MB ({s['timeline']['sequences'][peak]} sequences)",
+            xy=(step[peak], top),
+            xytext=(0.02, 0.93),
+            textcoords="axes fraction",
+            fontsize=8,
+            color="tab:red",
+            arrowprops=dict(arrowstyle="->", color="tab:red", lw=0.8),
+        )
+    ax.set_title(
+        f"KV memory for the same batch: paged {s['paged_utilisation']:.0%} utilised, "
+        f"contiguous {s['contiguous_utilisation']:.0%}"
+    )
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn at most 10 times a second on a terminal;
+    a line every few seconds otherwise)."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 28) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = 0.1 if self.tty else 5.0
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.drawn = False
+
+    def __call__(self, e: Engine) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        self._draw(e, now)
+
+    def _draw(self, e: Engine, now: float) -> None:
+        done = e.finished_requests
+        filled = int(self.width * done / max(self.total, 1))
+        bar = "#" * filled + "-" * (self.width - filled)
+        rate = e.generated / max(now - self.t0, 1e-9)
+        used = e.manager.num_used_blocks
+        text = (
+            f"[{bar}] {done}/{self.total} requests | step {e.step_no} | batch {len(e.running)} | "
+            f"KV {used}/{e.cfg.num_blocks} blocks | {rate:.0f} tok/s"
+        )
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self, e: Engine) -> None:
+        if self.drawn or self.tty:
+            self._draw(e, time.perf_counter())
+            if self.tty:
+                self.stream.write("\n")
+            self.stream.flush()

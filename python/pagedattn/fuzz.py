@@ -1,0 +1,1330 @@
+"""API fuzzer: random calls to every public function, valid and invalid.
+
+Every case builds one call (or, for the block manager, a short run of calls) from a
+seeded random source and checks the contract:
+
+- a valid call returns what the float64 reference (:mod:`pagedattn.reference`) returns,
+  within the dtype's tolerance, with NaN-poisoned cache slots that only a wrong index
+  would read;
+- an invalid call raises the documented typed error (``ValueError`` / ``TypeError`` /
+  ``IndexError``; the block manager adds ``KeyError`` and ``OutOfBlocksError``) and
+  leaves every array and manager it was given unchanged;
+- nothing else: any other exception, a wrong answer or a crash is a failure.
+
+Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
+seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
+
+    python -m pagedattn.fuzz --cases 100000 --seed 1
+
+The last line printed is the summary, e.g.
+``fuzz: 300 cases, seed 7: 0 crashes, 0 mismatches, 0 failures (...)``; the exit status
+is 0 only when nothing failed. A crash (segfault, abort) kills the process, so run it in
+a subprocess (the test suite does) and read the last ``case`` line ``--trace`` printed.
+
+The generators only need a source of integers (:class:`Draw`), so the tests drive the
+very same generators from hypothesis (with shrinking) in-process. No dependency beyond
+NumPy (ml_dtypes, when installed, adds bfloat16 cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+import pagedattn
+
+from . import reference
+
+__all__ = ["Draw", "RandomDraw", "Failure", "TARGETS", "KNOWN_ISSUES", "run_case", "main"]
+
+TYPED = (ValueError, TypeError, IndexError)
+# Under AddressSanitizer a failed C++ `new` aborts the process (operator new reports
+# out-of-memory instead of throwing), so the known issues that reach `new` with absurd
+# sizes are not generated there; NumPy's malloc still fails softly
+# (allocator_may_return_null=1). Case i of a seed then differs from a plain run.
+UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
+
+# Open bugs outside this module's reach, each reported with a reproducer. A case that
+# hits one counts as "known" (not a failure) unless --strict-known is given; when one
+# stops reproducing, the summary says so, and the pinned test in test_fuzz_api.py
+# (xfail strict) fails until the entry is removed.
+KNOWN_ISSUES = {
+    "readonly-output": "paged_attention / reshape_and_cache write into read-only arrays (out, caches): the "
+    "bindings take them as nb::ndarray<nb::ro>",
+    "alloc-before-validate": "paged_attention allocates the output (empty_like(query)) before validating, so a "
+    "query broadcast to a huge num_seqs raises MemoryError instead of the validation error",
+    "int-overflow-error": "kv_cache_shape(float('inf'), ...) raises OverflowError (int(inf) in _api.py)",
+    "bm-alloc-before-check": "BlockManager.slots(stop=huge) / block_tables(max_blocks=huge) / "
+    "step(max_blocks=huge) allocate the output before checking the range: MemoryError",
+    "bm-eager-prefix-table": "BlockManager(num_blocks, block_size, enable_prefix_caching=True) allocates "
+    "num_blocks * block_size token ids up front: MemoryError for large geometries",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Random source
+# ---------------------------------------------------------------------------------------
+class Draw:
+    """Integers on demand; everything else is derived. Subclass and define ``int``."""
+
+    def int(self, lo: int, hi: int) -> int:  # inclusive bounds
+        raise NotImplementedError
+
+    def choice(self, items: Any) -> Any:
+        items = list(items)
+        return items[self.int(0, len(items) - 1)]
+
+    def bool(self, p: float = 0.5) -> bool:
+        return self.int(0, 999) < int(p * 1000)
+
+    def rng(self) -> np.random.Generator:
+        """A NumPy generator for bulk values (array contents), seeded from this source."""
+        return np.random.default_rng(self.int(0, 2**32 - 1))
+
+
+class RandomDraw(Draw):
+    def __init__(self, seed: int, case: int) -> None:
+        self._rng = np.random.default_rng([seed, case])
+
+    def int(self, lo: int, hi: int) -> int:
+        return int(self._rng.integers(lo, hi, endpoint=True))
+
+
+class Failure(AssertionError):
+    """A contract violation: wrong answer, untyped error, missing error, state changed."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    target: str
+    kind: str  # "ok", "error" (the expected typed error), "known"
+    label: str = ""
+
+
+def _fail(label: str, msg: str) -> None:
+    raise Failure(f"[{label}] {msg}")
+
+
+# ---------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------
+def _float_dtypes() -> list:
+    out = [np.dtype(np.float32), np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
+        pass
+    return out
+
+
+FLOAT_DTYPES = _float_dtypes()
+# (atol, rtol) against float64 on the fuzzer's inputs (normal values, moderate logits).
+TOL = {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
+NAN_CODE = 0x7F  # NaN in both fp8 formats
+
+
+def _fp8_codes(kind: str) -> np.ndarray:
+    t = reference.fp8_decode(np.arange(256), kind)
+    return np.nonzero(np.isfinite(t) & (np.abs(t) <= 4.0))[0].astype(np.uint8)
+
+
+FP8_CODES = {k: _fp8_codes(k) for k in ("fp8_e4m3", "fp8_e5m2")}
+
+
+def _expect_error(label: str, fn: Callable[[], Any], expected: tuple, known: Optional[str] = None) -> Outcome:
+    """Runs fn, which must raise one of `expected` (typed) errors."""
+    try:
+        fn()
+    except expected:
+        return Outcome("", "error", label)
+    except Exception as e:  # noqa: BLE001 - any other type is exactly what we look for
+        if known:
+            return Outcome("", "known", known)
+        _fail(label, f"expected {[t.__name__ for t in expected]}, got {type(e).__name__}: {e}")
+    if known:
+        return Outcome("", "known", known)
+    _fail(label, f"expected {[t.__name__ for t in expected]}, but the call returned normally")
+    raise AssertionError("unreachable")
+
+
+def _call_valid(label: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"valid call raised {type(e).__name__}: {e}")
+
+
+def _f64(a: Any) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+def _check_close(label: str, out: Any, ref: np.ndarray, dtype: np.dtype, nonfinite: bool = False) -> None:
+    got = _f64(out)
+    if got.shape != ref.shape:
+        _fail(label, f"output shape {got.shape} != reference {ref.shape}")
+    fin_ref = np.isfinite(ref)
+    if nonfinite:
+        # Non-finite inputs: the output is non-finite exactly where the reference's is
+        # (nothing leaks into other rows), and close elsewhere.
+        if not np.array_equal(np.isfinite(got), fin_ref):
+            bad = np.argwhere(np.isfinite(got) != fin_ref)[:3].tolist()
+            _fail(label, f"non-finite pattern differs from the reference at {bad}")
+    elif not np.isfinite(got).all():
+        bad = np.argwhere(~np.isfinite(got))[:3].tolist()
+        _fail(label, f"non-finite output at {bad} (a wrong index read a NaN slot?)")
+    atol, rtol = TOL[np.dtype(dtype).name]
+    g, r = got[fin_ref], ref[fin_ref]
+    err = np.abs(g - r) - (atol + rtol * np.abs(r))
+    if err.size and err.max() > 0:
+        i = int(np.argmax(err))
+        _fail(label, f"mismatch: got {g[i]!r}, reference {r[i]!r} (atol {atol}, rtol {rtol})")
+
+
+def _same(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.name == "bfloat16":
+        a, b = a.view(np.uint16), b.view(np.uint16)
+    return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+# ---------------------------------------------------------------------------------------
+# paged_attention / prepare_decode
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DecodeProblem:
+    query: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    kw: dict
+    dtype: np.dtype
+    block_size: int
+    num_blocks: int
+    nonfinite: bool = False
+
+    def args(self) -> list:
+        return [self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens]
+
+    def reference(self) -> np.ndarray:
+        kw = {k: self.kw[k] for k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in self.kw}
+        return reference.paged_attention_ref(*self.args(), **kw)
+
+
+def _seq_len(d: Draw, B: int) -> int:
+    return max(0, d.choice([0, 1, B - 1, B, B + 1, 2 * B, 3 * B - 1, d.int(0, 4 * B)]))
+
+
+def make_decode_problem(d: Draw) -> DecodeProblem:
+    rng = d.rng()
+    dtype = d.choice(FLOAT_DTYPES)
+    kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
+    layout = d.choice(["vllm", "nhd"])
+    cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
+    x = 16 // cache_dt.itemsize
+    big = d.bool(0.05)  # the CPU limits: head size or block size 1024
+    K = d.int(1, 3)
+    G = d.choice([1, 1, 2, 3, 4])
+    if layout == "vllm":
+        D = x * d.int(1, 6)
+    else:
+        D = d.choice([1, 3, 8, 16, 17, 32, 64, 80])
+    B = d.choice([1, 2, 3, 4, 7, 8, 16, 17, 32])
+    S = d.choice([0, 1, 1, 2, 3, 4, 5])
+    if big:
+        K, G, S = 1, 1, min(S, 1)
+        if d.bool():
+            D = 1024
+        else:
+            B = 1024
+    lens = [_seq_len(d, B) for _ in range(S)]
+    if big:
+        lens = [min(n, 2 * B) for n in lens]
+    need = [-(-n // B) for n in lens]
+    M = max(need + [0]) + d.int(0, 2)
+    N = sum(need) + d.int(0, 3)
+    shared = d.bool(0.2) and N > 0
+    perm = rng.permutation(N).astype(np.int32)
+    tables = np.empty((S, M), np.int32)
+    pos = 0
+    for i, n in enumerate(need):
+        if shared:
+            tables[i, :n] = rng.integers(0, N, n)
+        else:
+            tables[i, :n] = perm[pos : pos + n]
+            pos += n
+        # Padding is never read: fill it with garbage, out-of-range ids included.
+        tables[i, n:] = d.choice([0, -1, N, 2**31 - 1, -(2**31), d.int(-5, N + 5)])
+    kshape, vshape = pagedattn.kv_cache_shape(N, B, K, D, cache_dt, layout)
+    if kv == "auto":
+        kc = np.full(kshape, np.nan, dtype)
+        vc = np.full(vshape, np.nan, dtype)
+    else:
+        kc = np.full(kshape, NAN_CODE, np.uint8)
+        vc = np.full(vshape, NAN_CODE, np.uint8)
+    # Fill exactly the slots some sequence reaches.
+    for i, n in enumerate(lens):
+        for t in range(n):
+            b, off = int(tables[i, t // B]), t % B
+            if kv == "auto":
+                kv_k = rng.standard_normal((K, D)).astype(dtype)
+                kv_v = rng.standard_normal((K, D)).astype(dtype)
+            else:
+                kv_k = rng.choice(FP8_CODES[kv], (K, D))
+                kv_v = rng.choice(FP8_CODES[kv], (K, D))
+            if layout == "vllm":
+                kc[b, :, :, off, :] = kv_k.reshape(K, D // x, x)
+                vc[b, :, :, off] = kv_v
+            else:
+                kc[b, off] = kv_k
+                vc[b, off] = kv_v
+    H = K * G
+    # The query: contiguous, a strided view of a wider buffer, or reversed.
+    qmode = d.choice(["contig", "contig", "wide", "reversed"])
+    if qmode == "wide" and S > 0:
+        buf = rng.standard_normal((S, 3 * H, D + d.choice([0, 5]))).astype(dtype)
+        q = buf[:, H : 2 * H, :D]
+    elif qmode == "reversed" and S > 1:
+        q = rng.standard_normal((S, H, D)).astype(dtype)[::-1]
+    else:
+        q = rng.standard_normal((S, H, D)).astype(dtype)
+    kw: dict = {}
+    if kv != "auto":
+        kw.update(kv_cache_dtype=kv, k_scale=float(rng.uniform(0.05, 2.0)), v_scale=float(rng.uniform(0.05, 2.0)))
+    if d.bool(0.3):
+        kw["scale"] = float(rng.uniform(-2.0, 2.0)) / math.sqrt(D)
+    if d.bool(0.3):
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32) * d.choice([1, -1])
+    if d.bool(0.2):  # CUDA-only options are accepted and ignored on the CPU
+        kw.update(version=d.int(0, 2), partition_size=d.choice([0, 256, 512]),
+                  check_block_tables=d.bool())  # fmt: skip
+    return DecodeProblem(q, kc, vc, tables, np.asarray(lens, np.int32), kw, dtype, B, N)
+
+
+def _inject_nonfinite(d: Draw, p: DecodeProblem) -> bool:
+    """Puts inf/-inf/NaN into the query, reached cache slots or ALiBi slopes."""
+    vals = [np.inf, -np.inf, np.nan]
+    S, H, D = p.query.shape
+    reached = [(i, t) for i in range(S) for t in range(int(p.seq_lens[i]))]
+    where = d.choice(["query", "cache", "alibi"])
+    if where == "query" and p.query.size:
+        q = p.query.copy()
+        q[d.int(0, S - 1), d.int(0, H - 1), d.int(0, D - 1)] = d.choice(vals)
+        p.query = q
+    elif where == "cache" and reached and p.kw.get("kv_cache_dtype", "auto") == "auto":
+        i, t = d.choice(reached)
+        b, off = int(p.block_tables[i, t // p.block_size]), t % p.block_size
+        cache = p.key_cache if d.bool() else p.value_cache
+        idx = [b] + [d.int(0, n - 1) for n in cache.shape[1:]]
+        if cache.ndim == 5:  # vllm key: token axis 3
+            idx[3] = off
+        elif cache is p.value_cache and cache.ndim == 4 and p.key_cache.ndim == 5:  # vllm value: token axis 3
+            idx[3] = off
+        else:  # nhd: token axis 1
+            idx[1] = off
+        cache[tuple(idx)] = d.choice(vals)
+    elif where == "alibi" and "alibi_slopes" in p.kw and H:
+        a = p.kw["alibi_slopes"].copy()
+        a[d.int(0, H - 1)] = d.choice(vals)
+        p.kw["alibi_slopes"] = a
+    else:
+        return False
+    return True
+
+
+def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
+    """(label, change(args, kw) -> None, expected error types, known issue or None)."""
+    S, H, D = p.query.shape
+    M = p.block_tables.shape[1]
+    B = p.block_size
+    fp8 = p.kw.get("kv_cache_dtype", "auto") != "auto"
+    m: list = []
+
+    def put(i: int, v: Any) -> Callable:
+        def f(a: list, kw: dict) -> None:
+            a[i] = v
+
+        return f
+
+    def setkw(**over: Any) -> Callable:
+        def f(a: list, kw: dict) -> None:
+            kw.update(over)
+
+        return f
+
+    q, kc, vc, bt, sl = p.args()
+    m.append(("query ndim", put(0, q.reshape(S, H * D)), (ValueError,), None))
+    m.append(("query 9 dims", put(0, q.reshape((S, H, D) + (1,) * 6)), (ValueError,), None))
+    m.append(("query float64", put(0, q.astype(np.float64)), (TypeError,), None))
+    m.append(("query int32", put(0, q.astype(np.int32)), (TypeError,), None))
+    m.append(("query complex", put(0, q.astype(np.complex64)), (TypeError,), None))
+    m.append(("query list", put(0, q.tolist()), (TypeError,), None))
+    m.append(("query None", put(0, None), (TypeError,), None))
+    m.append(("query without heads", put(0, np.empty((S, 0, D), q.dtype)), (ValueError,), None))
+    m.append(("query of head size 0", put(0, np.empty((S, H, 0), q.dtype)), (ValueError,), None))
+    m.append(("block_tables int64", put(3, bt.astype(np.int64)), (TypeError,), None))
+    m.append(("block_tables int16", put(3, bt.astype(np.int16)), (TypeError,), None))
+    m.append(("block_tables float32", put(3, bt.astype(np.float32)), (TypeError,), None))
+    m.append(("block_tables list", put(3, bt.tolist()), (TypeError,), None))
+    m.append(("seq_lens int64", put(4, sl.astype(np.int64)), (TypeError,), None))
+    m.append(("seq_lens uint32", put(4, sl.astype(np.uint32)), (TypeError,), None))
+    m.append(("seq_lens 2-D", put(4, sl.reshape(S, 1)), (ValueError,), None))
+    m.append(("seq_lens extra", put(4, np.append(sl, np.int32(0))), (ValueError,), None))
+    m.append(("block_tables extra row", put(3, np.vstack([bt, np.zeros((1, M), np.int32)])), (ValueError,), None))
+    m.append(("block_tables 1-D", put(3, bt.reshape(-1)), (ValueError,), None))
+    if S > 1 and M > 1:
+        m.append(("block_tables transposed view", put(3, np.ascontiguousarray(bt.T).T), (ValueError,), None))
+    m.append(("key_cache float64", put(1, kc.astype(np.float64)), (TypeError,), None))
+    m.append(("value_cache other dtype", put(2, vc.astype(np.float32 if vc.dtype != np.float32 else np.float16)),
+              (TypeError,), None))  # fmt: skip
+    if kc.shape[0] > 0:
+        m.append(("value_cache fewer blocks", put(2, vc[:-1]), (ValueError,), None))
+        m.append(("key_cache rank 3", put(1, kc.reshape(kc.shape[0], -1, kc.shape[-1])), (ValueError,), None))
+        if not np.asfortranarray(kc).flags.c_contiguous:
+            m.append(("key_cache Fortran order", put(1, np.asfortranarray(kc)), (ValueError,), None))
+    if kc.ndim == 5:
+        wrong_x = (
+            kc.reshape(kc.shape[:3] + (kc.shape[3] * 2, kc.shape[4] // 2)) if kc.shape[4] % 2 == 0 else kc[..., :1]
+        )
+        m.append(("key_cache wrong x", put(1, wrong_x), (ValueError,), None))
+    if kc.shape[2 if kc.ndim == 4 else 1] > 1:
+        m.append(("num_heads not a multiple", put(0, np.ascontiguousarray(q[:, : H - 1])), (ValueError,), None))
+    m.append(("head_size mismatch", put(0, np.concatenate([q, q[:, :, :1]], axis=2)), (ValueError,), None))
+    m.append(("out dtype", setkw(out=np.zeros((S, H, D), np.float64)), (TypeError,), None))
+    m.append(("out shape", setkw(out=np.zeros((S, H, D + 1), q.dtype)), (ValueError,), None))
+    m.append(("out ndim", setkw(out=np.zeros((S, H * D), q.dtype)), (ValueError,), None))
+    if S * H * D > 0:
+        zero_stride = np.lib.stride_tricks.as_strided(np.zeros(D, q.dtype), (S, H, D), (0, 0, q.itemsize),
+                                                      writeable=True)  # fmt: skip
+        if S * H > 1:
+            m.append(("out zero strides", setkw(out=zero_stride), (ValueError,), None))
+        m.append(("out read-only", setkw(out=_readonly(np.zeros((S, H, D), q.dtype))), (ValueError, TypeError),
+                  "readonly-output"))  # fmt: skip
+        if not fp8 and kc.size >= S * H * D:
+            m.append(("out aliases key_cache", setkw(out=kc.reshape(-1)[: S * H * D].reshape(S, H, D)),
+                      (ValueError,), None))  # fmt: skip
+            m.append(("out aliases value_cache", setkw(out=vc.reshape(-1)[-S * H * D :].reshape(S, H, D)),
+                      (ValueError,), None))  # fmt: skip
+        if q.flags.c_contiguous and H > 1:
+            shifted = np.zeros((S * H + 1) * D, q.dtype)
+            qv = shifted[: S * H * D].reshape(S, H, D)
+            qv[...] = q
+            m.append(("out overlaps query shifted", lambda a, kw: (a.__setitem__(0, qv),
+                      kw.update(out=shifted[D:].reshape(S, H, D))), (ValueError,), None))  # fmt: skip
+    m.append(("alibi length", setkw(alibi_slopes=np.ones(H + 1, np.float32)), (ValueError,), None))
+    m.append(("alibi float64", setkw(alibi_slopes=np.ones(H, np.float64)), (TypeError,), None))
+    m.append(("alibi 2-D", setkw(alibi_slopes=np.ones((H, 1), np.float32)), (ValueError,), None))
+    m.append(("scale nan", setkw(scale=float("nan")), (ValueError,), None))
+    m.append(("scale inf", setkw(scale=d.choice([float("inf"), -float("inf"), 1e39])), (ValueError,), None))
+    m.append(("scale str", setkw(scale="0.1"), (TypeError,), None))
+    m.append(("kv_cache_dtype unknown", setkw(kv_cache_dtype=d.choice(["int4", "fp8_e3m4", "", "FP8"])),
+              (ValueError,), None))  # fmt: skip
+    m.append(("kv_cache_dtype None", setkw(kv_cache_dtype=None), (TypeError,), None))
+    if not fp8:
+        m.append(("fp8 with float caches", setkw(kv_cache_dtype=d.choice(["fp8", "fp8_e5m2"])), (TypeError,), None))
+    else:
+        bad = d.choice([0.0, -1.0, float("nan"), float("inf"), 1e-40, 1e39])
+        which = d.choice(["k_scale", "v_scale"])
+        m.append((f"{which} {bad}", setkw(**{which: bad}), (ValueError,), None))
+        m.append(("auto with uint8 caches", setkw(kv_cache_dtype="auto"), (TypeError,), None))
+    m.append(("version", setkw(version=d.choice([-1, 3, 100])), (ValueError,), None))
+    m.append(("version huge", setkw(version=2**40), (TypeError,), None))
+    m.append(("partition_size negative", setkw(partition_size=-16), (ValueError,), None))
+    m.append(("stream str", setkw(stream="default"), (TypeError,), None))
+    m.append(("stream negative", setkw(stream=-1), (TypeError,), None))
+    # Index contents (the CPU reads them before any work).
+    reached = [(i, b) for i in range(S) for b in range(-(-int(sl[i]) // B))]
+    if reached:
+        i, b = d.choice(reached)
+        bad = d.choice([-1, p.num_blocks, p.num_blocks + 7, 2**31 - 1, -(2**31)])
+        bt2 = bt.copy()
+        bt2[i, b] = bad
+        m.append((f"block id {bad}", put(3, bt2), (IndexError,), None))
+    if S:
+        i = d.int(0, S - 1)
+        sl2 = sl.copy()
+        sl2[i] = d.choice([-1, M * B + 1, 2**31 - 1, -(2**31)])
+        m.append((f"seq_len {sl2[i]}", put(4, sl2), (IndexError,), None))
+    # Huge sizes: refused by validation, never allocated.
+    dt = q.dtype
+    n_kv = kc.shape[2 if kc.ndim == 4 else 1]
+
+    def empty_batch(a: list, kw: dict, heads: int = H, head_size: int = D, width: int = M) -> None:
+        a[0] = np.empty((0, heads, head_size), dt)
+        a[3] = np.empty((0, width), np.int32)
+        a[4] = np.empty(0, np.int32)
+        kw.pop("alibi_slopes", None)
+        kw.pop("out", None)
+
+    m.append(("num_heads 2**40 (empty batch)", lambda a, kw: empty_batch(a, kw, heads=n_kv * 2**40), (ValueError,),
+              None))  # fmt: skip
+    m.append(("max_blocks_per_seq 2**40 (empty batch)", lambda a, kw: empty_batch(a, kw, width=2**40), (ValueError,),
+              None))  # fmt: skip
+    nhd_big = (np.empty((0, 4, 1, 10**6), dt), np.empty((0, 4, 1, 10**6), dt))
+    m.append(("head_size 10**6", lambda a, kw: (a.__setitem__(0, np.empty((0, 1, 10**6), dt)),
+              a.__setitem__(1, nhd_big[0]), a.__setitem__(2, nhd_big[1]), a.__setitem__(3, np.empty((0, 1), np.int32)),
+              a.__setitem__(4, np.empty(0, np.int32)), kw.pop("alibi_slopes", None),
+              kw.update(kv_cache_dtype="auto")), (ValueError,), None))  # fmt: skip
+    nhd_bs = (np.empty((0, 2048, 1, 8), dt), np.empty((0, 2048, 1, 8), dt))
+    m.append(("block_size 2048", lambda a, kw: (a.__setitem__(0, np.empty((0, 1, 8), dt)),
+              a.__setitem__(1, nhd_bs[0]), a.__setitem__(2, nhd_bs[1]), a.__setitem__(3, np.empty((0, 1), np.int32)),
+              a.__setitem__(4, np.empty(0, np.int32)), kw.pop("alibi_slopes", None),
+              kw.update(kv_cache_dtype="auto")), (ValueError,), None))  # fmt: skip
+    if S and H and D:
+        huge_q = np.lib.stride_tricks.as_strided(q, (2**31, H, D), (0,) + q.strides[1:], writeable=False)
+        m.append(("query broadcast to 2**31 seqs", put(0, huge_q), (ValueError,), "alloc-before-validate"))
+        m.append(("query broadcast to 2**31 seqs, out given", lambda a, kw: (a.__setitem__(0, huge_q),
+                  kw.update(out=np.zeros((S, H, D), dt))), (ValueError,), None))  # fmt: skip
+    return m
+
+
+def fuzz_paged_attention(d: Draw) -> Outcome:
+    p = make_decode_problem(d)
+    mode = d.choice(["valid", "valid", "nonfinite", "invalid", "invalid", "invalid"])
+    args, kw = p.args(), dict(p.kw)
+    if mode == "invalid":
+        label, change, expected, known = d.choice(_decode_mutations(d, p))
+        change(args, kw)
+        out = kw.get("out")
+        before = out.copy() if isinstance(out, np.ndarray) and out.flags.writeable else None
+        caches = [a.copy() if isinstance(a, np.ndarray) else None for a in args[1:3]]
+        o = _expect_error(f"paged_attention: {label}", lambda: pagedattn.paged_attention(*args, **kw), expected, known)
+        if o.kind == "error":
+            if before is not None and not _same(before, out):
+                _fail(label, "a call that raised wrote into out")
+            for c0, c in zip(caches, args[1:3]):
+                if c0 is not None and not _same(c0, c):
+                    _fail(label, "a call that raised changed a cache")
+        o.target = "paged_attention"
+        return o
+    nonfinite = mode == "nonfinite" and _inject_nonfinite(d, p)
+    args, kw = p.args(), dict(p.kw)
+    label = f"paged_attention: {mode} S={p.query.shape[0]} dtype={p.dtype.name} {kw.get('kv_cache_dtype', 'auto')}"
+    omode = d.choice(["new", "new", "given", "inplace", "strided", "reversed"])
+    S, H, D = p.query.shape
+    if omode == "given":
+        kw["out"] = np.full((S, H, D), np.nan, p.dtype)
+    elif omode == "inplace":
+        args[0] = kw["out"] = p.query.copy()
+    elif omode == "strided":
+        kw["out"] = np.full((S, 2 * H, D + 3), np.nan, p.dtype)[:, ::2, 1 : D + 1]
+    elif omode == "reversed":  # negative strides
+        kw["out"] = np.full((S, H, D), np.nan, p.dtype)[::-1, ::-1]
+    ref = (
+        p.reference()
+        if omode != "inplace"
+        else reference.paged_attention_ref(
+            *args,
+            **{k: v for k, v in kw.items() if k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale")},
+        )
+    )
+    out = _call_valid(label, lambda: pagedattn.paged_attention(*args, **kw))
+    if "out" in kw and out is not kw["out"]:
+        _fail(label, "the given out array was not returned")
+    if not isinstance(out, np.ndarray) or out.dtype != p.dtype:
+        _fail(label, f"returned {type(out).__name__} of dtype {getattr(out, 'dtype', None)}, expected {p.dtype}")
+    _check_close(label, out, ref, p.dtype, nonfinite)
+    return Outcome("paged_attention", "ok", mode)
+
+
+def fuzz_prepare_decode(d: Draw) -> Outcome:
+    """Validate once, run many times; index contents changed in place are re-checked."""
+    p = make_decode_problem(d)
+    label = f"prepare_decode S={p.query.shape[0]}"
+    prepared = _call_valid(label, lambda: pagedattn.prepare_decode(*p.args(), **p.kw))
+    for _ in range(d.int(1, 3)):
+        S = p.query.shape[0]
+        p.query[...] = d.rng().standard_normal(p.query.shape).astype(p.dtype)
+        action = d.choice(["run", "bad block", "bad len"]) if S else "run"
+        reached = [(i, b) for i in range(S) for b in range(-(-int(p.seq_lens[i]) // p.block_size))]
+        if action == "bad block" and reached:
+            i, b = d.choice(reached)
+            old = p.block_tables[i, b]
+            p.block_tables[i, b] = d.choice([-1, p.num_blocks, 2**31 - 1])
+            _expect_error(f"{label}: in-place bad block id", prepared.run, (IndexError,))
+            p.block_tables[i, b] = old
+        elif action == "bad len":
+            i = d.int(0, S - 1)
+            old = p.seq_lens[i]
+            p.seq_lens[i] = d.choice([-1, p.block_tables.shape[1] * p.block_size + 1])
+            _expect_error(f"{label}: in-place bad length", prepared.run, (IndexError,))
+            p.seq_lens[i] = old
+        out = _call_valid(label, prepared.run)
+        _check_close(label, out, p.reference(), p.dtype)
+    return Outcome("prepare_decode", "ok", "valid")
+
+
+# ---------------------------------------------------------------------------------------
+# reshape_and_cache
+# ---------------------------------------------------------------------------------------
+def fuzz_reshape_and_cache(d: Draw) -> Outcome:
+    rng = d.rng()
+    dtype = d.choice(FLOAT_DTYPES)
+    kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
+    layout = d.choice(["vllm", "nhd"])
+    cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
+    x = 16 // cache_dt.itemsize
+    K = d.int(1, 3)
+    D = x * d.int(1, 4) if layout == "vllm" else d.choice([1, 5, 8, 16, 64])
+    B = d.choice([1, 2, 3, 8, 16])
+    N = d.int(0, 6)
+    T = d.choice([0, 1, 2, 5, 9])
+    slot_dt = d.choice([np.int32, np.int64])
+    nslots = N * B
+    if nslots:
+        slots = rng.permutation(max(nslots, T))[:T]
+        slots = np.where(slots < nslots, slots, -1)
+    else:
+        slots = np.full(T, -1)
+    if T and d.bool(0.3):  # padding entries
+        slots[rng.random(T) < 0.4] = d.choice([-1, -7, -(2**31)])
+    slots = slots.astype(slot_dt)
+    kshape, vshape = pagedattn.kv_cache_shape(N, B, K, D, cache_dt, layout)
+    fill = np.nan if kv == "auto" else NAN_CODE
+    kc = np.full(kshape, fill, cache_dt)
+    vc = np.full(vshape, fill, cache_dt)
+    kmode = d.choice(["contig", "contig", "strided", "reversed"])
+    if kmode == "strided" and T:
+        kbuf = rng.standard_normal((T, 2 * K, D + 2)).astype(dtype)
+        key, value = kbuf[:, ::2, :D], kbuf[:, 1::2, 2:]
+    elif kmode == "reversed":  # negative strides
+        key = rng.standard_normal((T, K, D)).astype(dtype)[::-1, ::-1]
+        value = rng.standard_normal((T, K, D)).astype(dtype)[::-1]
+    else:
+        key = rng.standard_normal((T, K, D)).astype(dtype)
+        value = rng.standard_normal((T, K, D)).astype(dtype)
+    kw: dict = {}
+    if kv != "auto":
+        kw = dict(kv_cache_dtype=kv, k_scale=float(rng.uniform(0.05, 2.0)), v_scale=float(rng.uniform(0.05, 2.0)))
+    args = [key, value, kc, vc, slots]
+    mode = d.choice(["valid", "valid", "duplicates", "invalid", "invalid", "invalid"])
+    if mode == "invalid":
+        muts: list = [
+            ("key float64", lambda a: a.__setitem__(0, a[0].astype(np.float64)), (TypeError,), None),
+            ("value other dtype", lambda a: a.__setitem__(1, a[1].astype(np.float32 if dtype != np.float32
+                                                                         else np.float16)), (TypeError,), None),
+            ("key/value shapes", lambda a: a.__setitem__(1, np.zeros((T + 1, K, D), dtype)), (ValueError,), None),
+            ("key 2-D", lambda a: a.__setitem__(0, a[0].reshape(T, K * D)), (ValueError,), None),
+            ("slot float", lambda a: a.__setitem__(4, a[4].astype(np.float64)), (TypeError,), None),
+            ("slot int16", lambda a: a.__setitem__(4, a[4].astype(np.int16)), (TypeError,), None),
+            ("slot length", lambda a: a.__setitem__(4, np.append(a[4], a[4].dtype.type(-1))), (ValueError,), None),
+            ("slot list", lambda a: a.__setitem__(4, a[4].tolist()), (TypeError,), None),
+            ("cache dtype", lambda a: a.__setitem__(2, a[2].astype(np.float64)), (TypeError,), None),
+            ("heads mismatch", lambda a: (a.__setitem__(0, np.concatenate([a[0], a[0]], axis=1)),
+                                          a.__setitem__(1, np.concatenate([a[1], a[1]], axis=1))), (ValueError,), None),
+            ("cache read-only", lambda a: a.__setitem__(2, _readonly(a[2])), (ValueError, TypeError),
+             "readonly-output"),
+        ]  # fmt: skip
+        if kc.size:
+            muts.append(("value_cache is key_cache", lambda a: a.__setitem__(3, a[2].reshape(vc.shape)
+                         if kc.size == vc.size else a[2]), (ValueError,), None))  # fmt: skip
+        if kv == "auto" and T and kc.size >= T * K * D:
+            muts.append(
+                (
+                    "key aliases key_cache",
+                    lambda a: a.__setitem__(0, a[2].reshape(-1)[: T * K * D].reshape(T, K, D)),
+                    (ValueError,),
+                    None,
+                )
+            )
+        if T and nslots:
+            bad = (
+                d.choice([nslots, nslots + 1, 2**31 - 1])
+                if slot_dt == np.int32
+                else d.choice([nslots, 2**40, 2**63 - 1])
+            )
+            i = d.int(0, T - 1)
+
+            def bad_slot(a: list, i: int = i, bad: int = bad) -> None:
+                s = a[4].copy()
+                s[i] = bad
+                a[4] = s
+
+            muts.append((f"slot {bad}", bad_slot, (IndexError,), None))
+        if kv != "auto":
+            which = d.choice(["k_scale", "v_scale"])
+            bad_scale = d.choice([0.0, -2.0, float("nan"), float("inf"), 1e-40])
+            muts.append((f"{which} {bad_scale}", lambda a: kw.update({which: bad_scale}), (ValueError,), None))
+        else:
+            muts.append(("fp8 with float caches", lambda a: kw.update(kv_cache_dtype="fp8"), (TypeError,), None))
+        label, change, expected, known = d.choice(muts)
+        change(args)
+        snap = [c.copy() for c in (kc, vc)]
+        o = _expect_error(f"reshape_and_cache: {label}", lambda: pagedattn.reshape_and_cache(*args, **kw), expected,
+                          known)  # fmt: skip
+        if o.kind == "error" and not (_same(snap[0], kc) and _same(snap[1], vc)):
+            _fail(label, "a call that raised wrote into the caches")
+        o.target = "reshape_and_cache"
+        return o
+    if mode == "duplicates" and T > 1:
+        live = np.nonzero(slots >= 0)[0]
+        if len(live) >= 1:
+            slots[d.int(0, T - 1)] = slots[live[0]]
+    label = f"reshape_and_cache: {mode} T={T} {dtype.name} {kv} {layout}"
+    _call_valid(label, lambda: pagedattn.reshape_and_cache(*args, **kw))
+    # Reference: every slot holds what its token(s) wrote, in float64 / fp8 codes.
+    owners: dict = {}
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            owners.setdefault(s, []).append(t)
+    for s, ts in owners.items():
+        b, off = divmod(s, B)
+        got_k = kc[b, :, :, off, :].reshape(K, D) if layout == "vllm" else kc[b, off]
+        got_v = vc[b, :, :, off] if layout == "vllm" else vc[b, off]
+        cands_k = [c for t in ts for c in _expected_rows(key[t], kv, kw.get("k_scale", 1.0))]
+        cands_v = [c for t in ts for c in _expected_rows(value[t], kv, kw.get("v_scale", 1.0))]
+        for got, cands, name in ((got_k, cands_k, "key"), (got_v, cands_v, "value")):
+            got = np.asarray(got)
+            ok = np.zeros(got.shape, bool)
+            for c in cands:  # duplicates: every element comes from one of the writers
+                ok |= (got.view(np.uint8) if kv != "auto" else _f64(got)) == c
+            if not ok.all():
+                _fail(label, f"slot {s} {name} does not hold the written values")
+    # Slots nobody wrote stay NaN.
+    written = np.zeros(N * B, bool)
+    written[list(owners)] = True
+    for cache, name in ((kc, "key_cache"), (vc, "value_cache")):
+        tok_axis = 3 if (layout == "vllm") else 1
+        per_slot = np.moveaxis(cache, tok_axis, 1).reshape(N * B, -1) if N else np.zeros((0, 1))
+        if kv == "auto":
+            poisoned = np.isnan(_f64(per_slot)).all(axis=1)
+        else:
+            poisoned = (per_slot == NAN_CODE).all(axis=1)
+        if N and not poisoned[~written].all():
+            _fail(label, f"{name}: a slot that no token maps to was written")
+    return Outcome("reshape_and_cache", "ok", mode)
+
+
+def _fp8_encode(v: np.ndarray, kind: str) -> np.ndarray:
+    """float64 -> fp8 codes: round to nearest even, saturating to the largest finite value,
+    sign kept (an independent NumPy version of the documented cache-write rounding)."""
+    table = reference.fp8_decode(np.arange(128), kind)  # positive codes, increasing values
+    codes = np.nonzero(np.isfinite(table))[0]
+    vals = table[codes]
+    a = np.clip(np.abs(v), 0.0, vals[-1])
+    hi = np.clip(np.searchsorted(vals, a), 1, len(vals) - 1)
+    lo = hi - 1
+    dlo, dhi = a - vals[lo], vals[hi] - a
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & (codes[hi] % 2 == 0))
+    mag = np.where(pick_hi, codes[hi], codes[lo]).astype(np.uint8)
+    return np.where(np.signbit(v), mag | np.uint8(0x80), mag).astype(np.uint8)
+
+
+def _expected_rows(row: np.ndarray, kv: str, scale: float) -> list:
+    """What a cache slot may hold after writing `row`: the value itself, or for fp8 its
+    code for value / scale (float64 division, or float32 multiplication by 1 / scale:
+    they differ by at most one float32 ulp, which can flip a rounding tie)."""
+    if kv == "auto":
+        return [_f64(row)]
+    s32 = np.float32(scale)
+    by_div = _fp8_encode(_f64(row) / np.float64(s32), kv)
+    by_recip = _fp8_encode(_f64(np.asarray(row, np.float32) * (np.float32(1.0) / s32)), kv)
+    return [by_div, by_recip]
+
+
+# ---------------------------------------------------------------------------------------
+# kv_cache_shape
+# ---------------------------------------------------------------------------------------
+def fuzz_kv_cache_shape(d: Draw) -> Outcome:
+    sizes = [0, 1, 2, 3, 16, 17, 64, 1024, 10**6, 2**31, 2**40, 2**62, -1, -(2**40)]
+    n, b, k, h = (d.choice(sizes) for _ in range(4))
+    dtype_opts = ["float32", "float16", "bfloat16", "uint8", "fp8", "fp8_e4m3", "fp8_e5m2", np.float16,
+                  np.dtype(np.float32), "float64", "int32", "complex", "", None, 5, object()]  # fmt: skip
+    dtype = d.choice(dtype_opts)
+    layout = d.choice(["vllm", "nhd", "vllm", "hnd", "", None])
+    odd = d.choice([None, None, None, "float", "str", "huge", "inf", "nan", "none"])
+    if odd == "float":
+        n = float(abs(n) % 1000)
+    elif odd == "str":
+        b = str(b)
+    elif odd == "huge":
+        h = 2**70
+    elif odd == "inf":
+        n = float("inf")
+    elif odd == "nan":
+        k = float("nan")
+    elif odd == "none":
+        h = None
+    label = f"kv_cache_shape({n!r}, {b!r}, {k!r}, {h!r}, {dtype!r}, {layout!r})"
+    try:
+        res = pagedattn.kv_cache_shape(n, b, k, h, dtype, layout)
+    except TYPED:
+        return Outcome("kv_cache_shape", "error", label)
+    except OverflowError:
+        if odd == "inf":
+            return Outcome("kv_cache_shape", "known", "int-overflow-error")
+        raise
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"raised {type(e).__name__}: {e}")
+    # Accepted: the result must be right.
+    ints = [int(v) for v in (n, b, k, h)]
+    name = pagedattn._arrays.dtype_name(dtype)
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(name, 1)
+    if min(ints[1:]) <= 0 or ints[0] < 0 or layout not in ("vllm", "nhd"):
+        _fail(label, f"accepted bad sizes or layout: {res}")
+    key, value = res
+    if not all(type(v) is int for v in key + value):
+        _fail(label, f"shapes are not plain ints: {res}")
+    x = 16 // size
+    if layout == "vllm":
+        want = ((ints[0], ints[2], ints[3] // x, ints[1], x), (ints[0], ints[2], ints[3], ints[1]))
+    else:
+        want = ((ints[0], ints[1], ints[2], ints[3]),) * 2
+    if (key, value) != want:
+        _fail(label, f"got {res}, expected {want}")
+    if math.prod(ints) * size >= 2**63:
+        _fail(label, f"accepted a cache of {math.prod(ints) * size} bytes")
+    return Outcome("kv_cache_shape", "ok", label)
+
+
+# ---------------------------------------------------------------------------------------
+# copy_blocks / swap_blocks / decode_workspace_size
+# ---------------------------------------------------------------------------------------
+def _random_array(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    if np.dtype(dtype) == np.uint8:
+        return rng.integers(0, 256, shape).astype(np.uint8)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _block_arrays(d: Draw, rng: np.random.Generator, n: int, count: int) -> list:
+    dtype = d.choice(FLOAT_DTYPES + [np.dtype(np.uint8)])
+    shape = d.choice([(2, 8, 4, 4), (4, 16), (3,), ()])
+    return [_random_array(rng, (n,) + shape, dtype) for _ in range(count)]
+
+
+def _pairs(d: Draw, rng: np.random.Generator, n_src: int, n_dst: int, distinct_roles: bool) -> np.ndarray:
+    if n_src == 0 or n_dst == 0:
+        return np.zeros((0, 2), np.int64)
+    p = d.int(0, min(n_src, n_dst))
+    if distinct_roles:  # copy_blocks: destinations are never sources
+        perm = rng.permutation(min(n_src, n_dst))
+        half = len(perm) // 2
+        src, dst = perm[:half], perm[half:]
+        p = min(p, len(src), len(dst))
+        return np.stack([rng.choice(src, p), rng.permutation(dst)[:p]], axis=1).astype(np.int64)
+    return np.stack([rng.choice(n_src, p), rng.permutation(n_dst)[:p]], axis=1).astype(np.int64)
+
+
+def fuzz_copy_blocks(d: Draw) -> Outcome:
+    rng = d.rng()
+    n = d.int(0, 8)
+    keys = _block_arrays(d, rng, n, d.int(0, 3))
+    values = _block_arrays(d, rng, n, d.int(0, 2))
+    pairs = _pairs(d, rng, n, n, True)
+    form = d.choice(["int64", "int32", "list"])
+    mapping: Any = pairs.astype(np.int32) if form == "int32" else pairs.tolist() if form == "list" else pairs
+    mode = d.choice(["valid", "valid", "invalid"])
+    caches = keys + values
+    if mode == "invalid" and caches:
+        muts: list = [
+            ("mapping float", lambda: pairs.astype(np.float64), (TypeError,)),
+            ("mapping [P, 3]", lambda: np.zeros((1, 3), np.int64), (ValueError,)),
+            ("mapping 1-D", lambda: np.zeros(2, np.int64), (ValueError,)),
+            ("mapping out of range", lambda: np.array([[0, d.choice([-1, n, 2**40])]], np.int64), (IndexError,)),
+            ("mapping Fortran", lambda: np.asfortranarray(np.zeros((2, 2), np.int64)), (ValueError,)),
+            ("mapping strings", lambda: [("a", "b")], (ValueError, TypeError)),
+        ]
+        label, make, expected = d.choice(muts)
+        snap = [c.copy() for c in caches]
+        o = _expect_error(f"copy_blocks: {label}", lambda: pagedattn.copy_blocks(keys, values, make()), expected)
+        if not all(_same(a, b) for a, b in zip(snap, caches)):
+            _fail(label, "a call that raised changed a cache")
+        o.target = "copy_blocks"
+        return o
+    if mode == "invalid":
+        cache_muts: list = [
+            ("cache read-only", [_readonly(np.zeros((4, 4), np.float32))], (TypeError, ValueError)),
+            ("cache non-contiguous", [np.zeros((4, 8), np.float32)[:, ::2]], (ValueError,)),
+            ("cache float64 list", [[1.0, 2.0]], (TypeError,)),
+            ("cache scalar", [np.zeros((), np.float32)], (ValueError,)),
+        ]
+        label, cs, expected = d.choice(cache_muts)
+        o = _expect_error(f"copy_blocks: {label}", lambda: pagedattn.copy_blocks(cs, [], [[0, 1]]), expected)
+        o.target = "copy_blocks"
+        return o
+    expect = [c.copy() for c in caches]
+    for e in expect:
+        for s, t in pairs.tolist():
+            e[t] = e[s]
+    _call_valid("copy_blocks", lambda: pagedattn.copy_blocks(keys, values, mapping))
+    for e, c in zip(expect, caches):
+        if not _same(e, c):
+            _fail("copy_blocks", f"wrong result for pairs {pairs.tolist()}")
+    return Outcome("copy_blocks", "ok", mode)
+
+
+def fuzz_swap_blocks(d: Draw) -> Outcome:
+    rng = d.rng()
+    n_src, n_dst = d.int(0, 6), d.int(0, 6)
+    (src,) = _block_arrays(d, rng, n_src, 1)
+    dst = _random_array(rng, (n_dst,) + src.shape[1:], src.dtype)
+    pairs = _pairs(d, rng, n_src, n_dst, False)
+    mode = d.choice(["valid", "valid", "invalid"])
+    if mode == "invalid":
+        muts: list = [
+            ("dst dtype", lambda: (src, dst.astype(np.float64), pairs), (TypeError,)),
+            ("block shape", lambda: (src, np.zeros((n_dst, 7), src.dtype), pairs), (ValueError,)),
+            ("dst read-only", lambda: (src, _readonly(dst), pairs), (TypeError, ValueError)),
+            ("mapping out of range", lambda: (src, dst, np.array([[n_src, 0]], np.int64)), (IndexError,)),
+            ("mapping dst out of range", lambda: (src, dst, np.array([[0, n_dst + 3]], np.int64)), (IndexError,)),
+            ("mapping int16", lambda: (src, dst, pairs.astype(np.int16)), (TypeError,)),
+            ("src list", lambda: (src.tolist(), dst, pairs), (TypeError,)),
+        ]
+        label, make, expected = d.choice(muts)
+        snap = dst.copy()
+        o = _expect_error(f"swap_blocks: {label}", lambda: pagedattn.swap_blocks(*make()), expected)
+        if not _same(snap, dst):
+            _fail(label, "a call that raised changed dst")
+        o.target = "swap_blocks"
+        return o
+    expect = dst.copy()
+    for s, t in pairs.tolist():
+        expect[t] = src[s]
+    _call_valid("swap_blocks", lambda: pagedattn.swap_blocks(src, dst, pairs))
+    if not _same(expect, dst):
+        _fail("swap_blocks", f"wrong result for pairs {pairs.tolist()}")
+    return Outcome("swap_blocks", "ok", mode)
+
+
+def fuzz_decode_workspace_size(d: Draw) -> Outcome:
+    vals = [0, 1, 8, 16, 64, 128, 256, -1, 2**31, 3]
+    args = [d.choice(vals) for _ in range(6)]
+    dtype = d.choice(["float16", "bfloat16", "float32", "float64", "nope"])
+    kw = dict(kv_cache_dtype=d.choice(["auto", "fp8", "x"]), layout=d.choice(["vllm", "nhd", "x"]),
+              version=d.choice([0, 1, 2, 5]), partition_size=d.choice([0, 512, -1]))  # fmt: skip
+    label = f"decode_workspace_size({args}, {dtype}, {kw})"
+    try:
+        r = pagedattn.decode_workspace_size(*args, dtype, **kw)
+    except TYPED:
+        return Outcome("decode_workspace_size", "error", label)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"raised {type(e).__name__}: {e}")
+    if not isinstance(r, int) or r < 0:
+        _fail(label, f"returned {r!r}")
+    return Outcome("decode_workspace_size", "ok", label)
+
+
+# ---------------------------------------------------------------------------------------
+# BlockManager: random (often adversarial) call sequences
+# ---------------------------------------------------------------------------------------
+def _bm_snapshot(m: Any) -> tuple:
+    ids = sorted(m.sequence_ids())
+    per = tuple((i, tuple(m.block_table(i)), m.seq_len(i), m.num_computed(i), m.is_swapped(i)) for i in ids)
+    return (per, m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks, m.num_free_cpu_blocks,
+            m.num_pending_copies)  # fmt: skip
+
+
+def fuzz_block_manager(d: Draw) -> Outcome:
+    BM = pagedattn.BlockManager
+    OOB = pagedattn.OutOfBlocksError
+    allowed = TYPED + (KeyError, OOB)
+    rng = d.rng()
+    if d.bool(0.1):  # constructor arguments
+        bad = d.choice([
+            ((2**40, 16), {}, (ValueError,), None), ((0, 16), {}, (ValueError,), None),
+            ((2**31, 16), {}, (ValueError,), None), ((4, 0), {}, (ValueError,), None),
+            ((4, 2**21), {}, (ValueError,), None), ((4, 16), {"watermark": 1.0}, (ValueError,), None),
+            ((4, 16), {"watermark": float("nan")}, (ValueError,), None),
+            ((4, 16), {"sliding_window": -1}, (ValueError,), None),
+            ((4, 16), {"sliding_window": 8, "enable_prefix_caching": True}, (ValueError,), None),
+            ((4, 16), {"num_cpu_blocks": -1}, (ValueError,), None), ((4.5, 16), {}, (TypeError,), None),
+            (("4", 16), {}, (TypeError,), None),
+        ] + ([] if UNDER_ASAN else [
+            ((2**20, 2**20), {"enable_prefix_caching": True}, (ValueError,), "bm-eager-prefix-table"),
+        ]))  # fmt: skip
+        a, kw, expected, known = bad
+        o = _expect_error(f"BlockManager{a} {kw}", lambda: BM(*a, **kw), expected, known)
+        o.target = "block_manager"
+        return o
+    caching = d.bool(0.4)
+    kw = dict(enable_prefix_caching=caching, num_cpu_blocks=d.choice([0, 0, 4, 16]),
+              watermark=d.choice([0.0, 0.0, 0.1, 0.5]))  # fmt: skip
+    if not caching and d.bool(0.2):
+        kw["sliding_window"] = d.choice([1, 3, 8])
+    m = BM(d.int(1, 24), d.choice([1, 2, 3, 4, 8]), **kw)
+    bs = m.block_size
+    known_hit: Optional[str] = None
+
+    def seq_id() -> Any:
+        ids = m.sequence_ids()
+        if ids and d.bool(0.7):
+            return d.choice(ids)
+        return d.choice([d.int(0, 20), -1, 2**62, 2**63, -(2**63) - 1, "a", 1.5, None])
+
+    def tokens() -> Any:
+        n = d.choice([0, 1, 2, bs - 1, bs, bs + 1, 3 * bs, d.int(0, 40)])
+        base = rng.integers(0, 3, max(n, 0))
+        kind = d.choice(["list", "list", "int32", "int64", "uint8", "strided", "float", "2d", "str", "huge",
+                         "negative", "none", "bool"])  # fmt: skip
+        if kind == "int32":
+            return base.astype(np.int32)
+        if kind == "int64":
+            return base.astype(np.int64)
+        if kind == "uint8":
+            return base.astype(np.uint8)
+        if kind == "strided":
+            return np.repeat(base, 2).astype(np.int32)[::2]
+        if kind == "float":
+            return base.astype(np.float32)
+        if kind == "2d":
+            return base.reshape(1, -1).astype(np.int32)
+        if kind == "str":
+            return "abc"
+        if kind == "huge":
+            return [2**40] + base.tolist()
+        if kind == "negative":
+            return [-5] + base.tolist()
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return [True, False]
+        return base.tolist()
+
+    def ids_list() -> Any:
+        k = d.int(0, 4)
+        ids = [seq_id() for _ in range(k)]
+        return np.asarray(ids, np.int64) if d.bool(0.3) and all(type(i) is int and -(2**63) <= i < 2**63
+                                                                for i in ids) else ids  # fmt: skip
+
+    def out_arr(shape: tuple) -> Any:
+        kind = d.choice(["none", "none", "good", "int64", "readonly", "short", "strided", "list"])
+        if kind == "good":
+            return np.zeros(shape, np.int32)
+        if kind == "int64":
+            return np.zeros(shape, np.int64)
+        if kind == "readonly":
+            return _readonly(np.zeros(shape, np.int32))
+        if kind == "short":
+            return np.zeros(tuple(max(0, s - 1) for s in shape), np.int32)
+        if kind == "strided":
+            return np.zeros(tuple(2 * s for s in shape), np.int32)[tuple(slice(None, None, 2) for _ in shape)]
+        if kind == "list":
+            return [0] * (shape[0] if shape else 0)
+        return None
+
+    big = [] if UNDER_ASAN else [2**40, 2**62]  # sizes of known issue bm-alloc-before-check
+
+    def maybe_big() -> list:
+        return [d.choice(big)] if big and d.bool(0.1) else []
+
+    ops = {
+        "add_sequence": lambda: m.add_sequence(seq_id() if d.bool(0.3) else d.int(0, 30), tokens(),
+                                               extra_key=d.choice([0, 0, 1, 2**64 - 1])),
+        "append_tokens": lambda: m.append_tokens(seq_id(), tokens()),
+        "append_tokens_batch": lambda: (lambda ids: m.append_tokens_batch(ids, [1] * len(ids)
+                                        if d.bool(0.8) else [1]))(ids_list()),
+        "fork": lambda: m.fork(seq_id(), d.choice([d.int(0, 40), seq_id()])),
+        "free": lambda: m.free(seq_id()),
+        "step": lambda: (lambda ids: m.step(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
+                         query_lens=d.choice([None, None, [0] * len(ids), [1] * len(ids), [-1] * len(ids),
+                                              [2**40] * len(ids)]),
+                         max_blocks=d.choice([None, None, 0, 64] + maybe_big()),
+                         pad=d.choice([0, -1, 2**31 - 1]),
+                         seq_lens=out_arr((len(ids),)) if d.bool(0.3) else None))(ids_list()),
+        "take_copy_pairs": lambda: m.take_copy_pairs(),
+        "swap_out": lambda: m.swap_out(ids_list()),
+        "swap_in": lambda: m.swap_in(ids_list()),
+        "can_allocate": lambda: m.can_allocate(d.choice([tokens(), d.int(-3, 50), 2**62])),
+        "can_append": lambda: m.can_append(seq_id(), d.choice([1, 0, -1, 2**62])),
+        "can_append_batch": lambda: m.can_append_batch(ids_list()),
+        "can_swap_out": lambda: m.can_swap_out(ids_list()),
+        "can_swap_in": lambda: m.can_swap_in(ids_list()),
+        "block_tables": lambda: (lambda ids: m.block_tables(ids, out=out_arr((len(ids), d.int(0, 8))),
+                                 max_blocks=d.choice([None, 0, 3, 16] + maybe_big()),
+                                 pad=d.choice([0, -1])))(ids_list()),
+        "seq_lens": lambda: (lambda ids: m.seq_lens(ids, out=out_arr((len(ids),))))(ids_list()),
+        "csr": lambda: m.csr(ids_list(), pad=d.choice([0, -1])),
+        "slots": lambda: m.slots(seq_id(), d.choice([0, 0, 1, -1, 5]),
+                                 d.choice([None, None, 0, 3, 100] + maybe_big())),
+        "block_table": lambda: m.block_table(seq_id()),
+        "token_ids": lambda: m.token_ids(seq_id()),
+        "seq_len": lambda: m.seq_len(seq_id()),
+        "num_computed": lambda: m.num_computed(seq_id()),
+        "is_swapped": lambda: m.is_swapped(seq_id()),
+        "ref_count": lambda: m.ref_count(d.choice([0, 1, -1, m.num_blocks, 2**40])),
+        "cpu_ref_count": lambda: m.cpu_ref_count(d.choice([0, -1, m.num_cpu_blocks, 2**40])),
+        "is_cached": lambda: m.is_cached(d.choice([0, -1, m.num_blocks])),
+        "contains": lambda: seq_id() in m,
+        "stats": lambda: (m.prefix_cache_stats, len(m), repr(m), m.reset_prefix_cache_stats()),
+    }  # fmt: skip
+    names = list(ops)
+    for step in range(d.int(5, 40)):
+        name = d.choice(names)
+        before = _bm_snapshot(m)
+        label = f"BlockManager.{name} (op {step})"
+        try:
+            result = ops[name]()
+        except allowed:
+            after = _bm_snapshot(m)
+            if after != before:
+                _fail(label, "a call that raised changed the manager")
+        except MemoryError:
+            if name in ("slots", "block_tables", "step"):
+                known_hit = "bm-alloc-before-check"
+            else:
+                _fail(label, f"MemoryError:\n{traceback.format_exc()}")
+        except Exception as e:  # noqa: BLE001
+            _fail(label, f"raised {type(e).__name__}: {e}")
+        else:
+            _check_bm_result(label, m, name, result)
+        try:
+            m.check_invariants()
+        except Exception as e:  # noqa: BLE001
+            _fail(label, f"invariant violated after the call: {e}")
+    # Drain: everything freed, the pool is whole again.
+    for i in m.sequence_ids():
+        m.free(i)
+    m.take_copy_pairs()
+    if m.num_free_blocks + m.num_cached_blocks != m.num_blocks or m.num_free_cpu_blocks != m.num_cpu_blocks:
+        _fail("BlockManager drain", f"pool not whole after freeing everything: {m!r}")
+    return Outcome("block_manager", "known" if known_hit else "ok", known_hit or "")
+
+
+def _check_bm_result(label: str, m: Any, name: str, result: Any) -> None:
+    """Light semantic checks of successful export calls against the manager's own view."""
+    if name == "block_tables":
+        arr = np.asarray(result)
+        if arr.dtype != np.int32 or arr.ndim != 2:
+            _fail(label, f"block_tables returned {arr.dtype} {arr.shape}")
+    elif name == "step":
+        md = result
+        sl = np.asarray(md.seq_lens)
+        qs = np.asarray(md.query_start_loc)
+        if len(qs) != md.num_seqs + 1 or qs[0] != 0 or np.any(np.diff(qs) < 0) or qs[-1] != md.num_tokens:
+            _fail(label, f"query_start_loc {qs.tolist()} inconsistent with num_tokens {md.num_tokens}")
+        if len(np.asarray(md.slot_mapping)) != md.num_tokens or len(sl) != md.num_seqs:
+            _fail(label, "step outputs have inconsistent lengths")
+        slots = np.asarray(md.slot_mapping)
+        live = slots[slots >= 0]
+        if len(np.unique(live)) != len(live):
+            _fail(label, f"step handed out a slot twice: {slots.tolist()}")
+        if live.size and (live.max() >= m.num_blocks * m.block_size):
+            _fail(label, f"slot {live.max()} outside the pool")
+    elif name == "slots":
+        s = np.asarray(result)
+        if s.size and s.max() >= m.num_blocks * m.block_size:
+            _fail(label, f"slot {s.max()} outside the pool")
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+def _targets() -> dict:
+    t = {
+        "paged_attention": fuzz_paged_attention,
+        "reshape_and_cache": fuzz_reshape_and_cache,
+        "kv_cache_shape": fuzz_kv_cache_shape,
+    }
+    # Parts written alongside this fuzzer: fuzzed through their public API when present.
+    if hasattr(pagedattn, "prepare_decode"):
+        t["prepare_decode"] = fuzz_prepare_decode
+    if hasattr(pagedattn, "copy_blocks") and hasattr(pagedattn, "swap_blocks"):
+        t["copy_blocks"] = fuzz_copy_blocks
+        t["swap_blocks"] = fuzz_swap_blocks
+    if hasattr(pagedattn, "decode_workspace_size"):
+        t["decode_workspace_size"] = fuzz_decode_workspace_size
+    if hasattr(pagedattn, "BlockManager"):
+        t["block_manager"] = fuzz_block_manager
+    return t
+
+
+TARGETS = _targets()
+# Relative frequency of each target in a mixed run.
+WEIGHTS = {"paged_attention": 6, "reshape_and_cache": 4, "kv_cache_shape": 2, "prepare_decode": 1,
+           "copy_blocks": 1, "swap_blocks": 1, "decode_workspace_size": 1, "block_manager": 3}  # fmt: skip
+
+
+def run_case(d: Draw, target: Optional[str] = None) -> Outcome:
+    """Runs one case; raises Failure on a contract violation."""
+    if target is None:
+        names = [n for n in TARGETS for _ in range(WEIGHTS.get(n, 1))]
+        target = d.choice(names)
+    out = TARGETS[target](d)
+    out.target = target
+    return out
+
+
+def _limit_memory(mb: int) -> None:
+    """Caps the address space so an accidental huge allocation fails (MemoryError)
+    instead of waking the OOM killer. Skipped under AddressSanitizer (it reserves
+    terabytes of shadow memory)."""
+    if mb <= 0 or "asan" in os.environ.get("LD_PRELOAD", "") or os.environ.get("ASAN_OPTIONS"):
+        return
+    try:
+        import resource
+
+        limit = mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not on this platform
+        pass
+
+
+@dataclasses.dataclass
+class Stats:
+    ran: int = 0
+    failures: int = 0
+    mismatches: int = 0
+    crashes: int = 0
+    counts: dict = dataclasses.field(default_factory=dict)  # target -> kind -> n
+    known: dict = dataclasses.field(default_factory=dict)  # issue -> n
+
+    def record(self, target: str, kind: str, label: str) -> None:
+        self.ran += 1
+        per = self.counts.setdefault(target, {})
+        per[kind] = per.get(kind, 0) + 1
+        if kind == "known":
+            self.known[label] = self.known.get(label, 0) + 1
+
+
+def _replay(seed: int, i: int) -> str:
+    return f"python -m pagedattn.fuzz --seed {seed} --first {i} --cases 1"
+
+
+def _run_inprocess(args: argparse.Namespace, seed: int, st: Stats) -> None:
+    for i in range(args.first, args.first + args.cases):
+        d = RandomDraw(seed, i)
+        target = d.choice(args.target) if args.target else None
+        if args.trace:
+            print(f"case {i}", file=sys.stderr, flush=True)
+        if args.selftest_crash_at == i:
+            os.abort()  # checks that the isolating driver counts crashes
+        try:
+            with np.errstate(all="ignore"):
+                o = run_case(d, target)
+        except Failure as e:
+            st.failures += 1
+            st.mismatches += any(w in str(e) for w in ("mismatch", "non-finite", "wrong result", "does not hold"))
+            st.ran += 1
+            print(f"FAIL case {i}: {e}\n  replay: {_replay(seed, i)}", flush=True)
+            kind, label, tgt = "fail", "", "?"
+        except Exception:  # noqa: BLE001 - a bug in a generator is a failure too
+            st.failures += 1
+            st.ran += 1
+            print(f"FAIL case {i}: fuzzer error\n{traceback.format_exc()}  replay: {_replay(seed, i)}", flush=True)
+            kind, label, tgt = "fail", "", "?"
+        else:
+            st.record(o.target, o.kind, o.label)
+            kind, label, tgt = o.kind, o.label, o.target
+            if o.kind == "known" and args.strict_known:
+                st.failures += 1
+                print(f"FAIL case {i}: known issue {o.label}: {KNOWN_ISSUES.get(o.label, '')}", flush=True)
+        if args.trace:
+            print(f"done {i} {tgt} {kind} {label if kind == 'known' else ''}", file=sys.stderr, flush=True)
+        if st.failures >= args.max_failures:
+            break
+
+
+def _run_isolated(args: argparse.Namespace, seed: int, st: Stats) -> None:
+    """Runs batches of cases in child processes; a child killed by a signal is a crash at
+    the case it had started, and the run goes on after it."""
+    import subprocess
+
+    i, end = args.first, args.first + args.cases
+    while i < end and st.failures < args.max_failures:
+        n = min(args.isolate, end - i)
+        cmd = [sys.executable, "-m", "pagedattn.fuzz", "--seed", str(seed), "--first", str(i), "--cases", str(n),
+               "--trace", "--no-summary", "--max-memory-mb", str(args.max_memory_mb),
+               "--max-failures", str(args.max_failures - st.failures)]  # fmt: skip
+        for t in args.target or []:
+            cmd += ["--target", t]
+        if args.strict_known:
+            cmd.append("--strict-known")
+        if args.selftest_crash_at is not None:
+            cmd += ["--selftest-crash-at", str(args.selftest_crash_at)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        started, finished = None, i - 1
+        for line in r.stderr.splitlines():
+            parts = line.split(" ", 4)
+            if parts[0] == "case" and len(parts) >= 2:
+                started = int(parts[1])
+            elif parts[0] == "done" and len(parts) >= 4:
+                finished = int(parts[1])
+                if parts[3] == "fail":
+                    st.failures += 1
+                    st.ran += 1
+                else:
+                    st.record(parts[2], parts[3], parts[4].strip() if len(parts) > 4 else "")
+                    if parts[3] == "known" and args.strict_known:
+                        st.failures += 1
+        if r.stdout:
+            print(r.stdout, end="", flush=True)  # FAIL reports with their replay commands
+        st.mismatches += sum(
+            1
+            for line in r.stdout.splitlines()
+            if line.startswith("FAIL")
+            and any(w in line for w in ("mismatch", "non-finite", "wrong result", "does not hold"))
+        )
+        if r.returncode < 0 or (started is not None and started > finished):
+            crash_at = started if started is not None else i
+            st.crashes += 1
+            st.failures += 1
+            st.ran += 1
+            tail = "\n".join(line for line in r.stderr.splitlines()[-15:] if not line.startswith(("case", "done")))
+            print(f"CRASH case {crash_at}: child exited with status {r.returncode}\n{tail}\n"
+                  f"  replay: {_replay(seed, crash_at)}", flush=True)  # fmt: skip
+            i = crash_at + 1
+        else:
+            i += n
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedattn.fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=1000, help="number of cases to run")
+    ap.add_argument("--seed", type=int, default=None, help="base seed (default: random, printed)")
+    ap.add_argument("--first", type=int, default=0, help="index of the first case (to replay one case)")
+    ap.add_argument("--target", action="append", choices=sorted(TARGETS), help="fuzz only these targets")
+    ap.add_argument(
+        "--isolate",
+        type=int,
+        default=0,
+        metavar="BATCH",
+        help="run BATCH cases per child process, counting crashes and going on after them",
+    )
+    ap.add_argument("--max-failures", type=int, default=10, help="stop after this many failures")
+    ap.add_argument("--max-memory-mb", type=int, default=4096, help="address-space cap (0 = none)")
+    ap.add_argument("--strict-known", action="store_true", help="count known issues as failures")
+    ap.add_argument("--trace", action="store_true", help="print every case to stderr before and after running it")
+    ap.add_argument("--selftest-crash-at", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)  # children of --isolate
+    args = ap.parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    faulthandler.enable()
+    st = Stats()
+    t0 = time.perf_counter()
+    if args.isolate > 0:
+        _run_isolated(args, seed, st)
+    else:
+        _limit_memory(args.max_memory_mb)
+        _run_inprocess(args, seed, st)
+    dt = time.perf_counter() - t0
+    if args.no_summary:
+        return 1 if st.failures else 0
+    for name in sorted(st.counts):
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(st.counts[name].items()))
+        print(f"  {name}: {parts}")
+    for k, v in sorted(st.known.items()):
+        print(f"  known issue {k} hit {v} times: {KNOWN_ISSUES.get(k, '')}")
+    print(f"fuzz: {st.ran} cases, seed {seed}: {st.crashes} crashes, {st.mismatches} mismatches, "
+          f"{st.failures} failures, {sum(st.known.values())} known-issue hits ({dt:.1f} s)", flush=True)  # fmt: skip
+    return 1 if st.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
