@@ -65,7 +65,7 @@ rm -rf "$HIDE"
 if [ "${SANITIZE_WITH_FRAMEWORKS:-0}" != 1 ]; then
   for fw in torch jax cupy; do
     mkdir -p "$HIDE/$fw"
-    echo "raise ImportError('$fw is hidden from the sanitizer run (.ci/sanitize.sh)')" > "$HIDE/$fw/__init__.py"
+    echo "raise ModuleNotFoundError('$fw is hidden from the sanitizer run (.ci/sanitize.sh)')" > "$HIDE/$fw/__init__.py"
   done
 fi
 

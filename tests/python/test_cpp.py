@@ -58,7 +58,7 @@ def test_cpp_unit_tests_pass_under_ctest(tmp_path):
     run = subprocess.run(["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "tests passed" in run.stdout and "0 tests failed" in run.stdout
+    assert "100% tests passed" in run.stdout  # ctest's summary line (its wording varies by version)
 
 
 def test_type_stubs_are_shipped():

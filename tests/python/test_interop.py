@@ -76,11 +76,25 @@ def test_torch_cuda_arrays_rejected_without_cuda_build():
 
 def test_jax_cpu(rng):
     jax = pytest.importorskip("jax")
-    jnp = jax.numpy
+    cpu = jax.devices("cpu")[0]
     p = make_problem(rng, [9, 40], num_heads=4, num_kv_heads=1)
-    out = pagedattn.paged_attention(*(jnp.asarray(a) for a in p.args()))
+    out = pagedattn.paged_attention(*(jax.device_put(a, cpu) for a in p.args()))
     assert isinstance(out, jax.Array)
     assert_close(np.asarray(out), paged_attention_ref(*p.args()), np.float32)
+
+
+def test_jax_gpu_needs_out(rng):
+    """JAX arrays are immutable: on a GPU there is no array of theirs to write into."""
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")
+    if not pagedattn.built_with_cuda():
+        pytest.skip("pagedattn built without CUDA")
+    p = make_problem(rng, [9], num_heads=4, num_kv_heads=1, block_size=16, head_size=64)
+    with pytest.raises(TypeError, match="pass out="):
+        pagedattn.paged_attention(*(jax.device_put(a, gpu) for a in p.args()))
 
 
 def test_ml_dtypes_bfloat16_numpy(rng):
