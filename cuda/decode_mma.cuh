@@ -25,9 +25,18 @@
 
 namespace pagedattn::cuda_backend {
 
+// Warps per CTA and cp.async ring depth per warp; compile-time knobs for tuning
+// experiments (-DPAGEDATTN_MMA_WARPS=..., -DPAGEDATTN_MMA_STAGES=...).
+#ifndef PAGEDATTN_MMA_WARPS
+#define PAGEDATTN_MMA_WARPS 4
+#endif
+#ifndef PAGEDATTN_MMA_STAGES
+#define PAGEDATTN_MMA_STAGES 3
+#endif
+
 template <class T, Fp8 F, int HEAD, CacheLayout L>
 struct MmaDecodeConfig {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = 16;  // query heads per CTA (mma M)
   static constexpr int kTok = 16;   // tokens per chunk (mma K of P.V)
@@ -39,7 +48,7 @@ struct MmaDecodeConfig {
   static constexpr int kGroups = (kKChunks + 3) / 4;                           // 4 chunks per group
   static constexpr int kKSteps = kGroups * kSPL;
   static constexpr int kNTiles = kHMax / 8;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = PAGEDATTN_MMA_STAGES;
   static constexpr int kKBytes = kTok * kKChunks * 16;
   static constexpr int kVPitch = kHMax * kE + 16;  // nhd row pitch (bytes)
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
