@@ -33,9 +33,6 @@ namespace pagedattn::cuda_backend {
 #ifndef PAGEDATTN_MMA_STAGES
 #define PAGEDATTN_MMA_STAGES 2
 #endif
-#ifndef PAGEDATTN_NHD_SPLIT
-#define PAGEDATTN_NHD_SPLIT 0
-#endif
 
 template <class T, Fp8 F, int HEAD, CacheLayout L>
 struct MmaDecodeConfig {
@@ -252,24 +249,6 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         }
         return;
       }
-#if PAGEDATTN_NHD_SPLIT
-      // Keys first, then values: requests for the two arrays at equal offsets are not
-      // issued back to back.
-      for (int which = 0; which < 2; ++which) {
-        const char* src0 = which ? vc : kc;
-        for (int pi = lane; pi < 16 * nck; pi += 32) {
-          const int t = pi / nck, j = pi % nck;
-          const int tok = t0 + t;
-          const int id = t < 8 ? idA : idB;
-          const bool ok = tok < tok_end && id >= 0;
-          const std::int64_t off =
-              ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j * 16;
-          const int nb = ok ? min(16, row_bytes - j * 16) : 0;
-          unsigned char* dst = which ? vs + t * C::kVPitch + j * 16 : ks + k_unit(j, t) * 16;
-          cp_async16(dst, ok ? src0 + off : src0, nb);
-        }
-      }
-#else
       for (int pi = lane; pi < 16 * nck; pi += 32) {
         const int t = pi / nck, j = pi % nck;
         const int tok = t0 + t;
@@ -281,7 +260,6 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         cp_async16(ks + k_unit(j, t) * 16, ok ? kc + off : kc, nb);
         cp_async16(vs + t * C::kVPitch + j * 16, ok ? vc + off : vc, nb);
       }
-#endif
     }
   };
 

@@ -121,6 +121,12 @@ BlockManager::BlockManager(const BlockManagerOptions& options) : opt_(options) {
     fail<InvalidArgument>("BlockManager: sliding_window must be >= 0 (0 = off), got ", opt_.sliding_window);
   if (opt_.sliding_window > 0 && opt_.enable_prefix_caching)
     fail<InvalidArgument>("BlockManager: sliding_window cannot be combined with enable_prefix_caching");
+  // With prefix caching the token ids of every block are kept (4 bytes per slot of the
+  // pool, allocated up front); refuse geometries whose table could never be allocated.
+  constexpr std::int64_t kMaxCachedSlots = std::int64_t{1} << 32;
+  if (opt_.enable_prefix_caching && opt_.num_blocks > kMaxCachedSlots / opt_.block_size)
+    fail<InvalidArgument>("BlockManager: with enable_prefix_caching, num_blocks * block_size must be at most 2^32 "
+                          "slots, got ", opt_.num_blocks, " * ", opt_.block_size);
   bs_ = opt_.block_size;
   caching_ = opt_.enable_prefix_caching;
   watermark_blocks_ = static_cast<std::int64_t>(opt_.watermark * static_cast<double>(opt_.num_blocks));

@@ -6,10 +6,20 @@ the CUDA stream and the bfloat16 bridge for NumPy.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 from . import _core
-from ._arrays import as_core, dtype_name, empty_like, finish_like, is_cuda, resolve_stream
+from ._arrays import (
+    as_core,
+    check_num_seqs,
+    check_writable,
+    dtype_name,
+    empty_like,
+    finish_like,
+    is_cuda,
+    resolve_stream,
+)
 
 __all__ = [
     "paged_attention",
@@ -60,7 +70,12 @@ def paged_attention(
     value = stored value * ``k_scale`` / ``v_scale``. ``version`` (CUDA) forces the
     single-pass (1) or partitioned (2) kernel; 0 chooses.
     """
-    result = empty_like(query) if out is None else out
+    if out is None:
+        check_num_seqs(query, block_tables, seq_lens)
+        result = empty_like(query)
+    else:
+        check_writable(out, "out")
+        result = out
     args, kwargs = _decode_args(result, query, key_cache, value_cache, block_tables, seq_lens, scale,
                                 alibi_slopes, stream, kv_cache_dtype, k_scale, v_scale, version,
                                 partition_size, workspace, check_block_tables)  # fmt: skip
@@ -96,6 +111,10 @@ class PreparedDecode:
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, alibi_slopes=None,
                  out=None, stream=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, version=0,
                  partition_size=0, workspace=None, check_block_tables=False):  # fmt: skip
+        if out is None:
+            check_num_seqs(query, block_tables, seq_lens)
+        else:
+            check_writable(out, "out")
         self.out = empty_like(query) if out is None else out
         self._arrays = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, workspace)
         args, kwargs = _decode_args(self.out, query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -139,6 +158,8 @@ def reshape_and_cache(
     padding and are skipped. Works with both cache layouts; with an fp8
     ``kv_cache_dtype`` the values are stored as value / scale, saturated.
     """
+    check_writable(key_cache, "key_cache")
+    check_writable(value_cache, "value_cache")
     k, bf_k = as_core(key)
     v, bf_v = as_core(value)
     kc, bf_kc = as_core(key_cache)
@@ -159,9 +180,14 @@ def kv_cache_shape(
     or a name ("float32", "float16", "bfloat16", "uint8", "fp8_e4m3", "fp8_e5m2").
     ``layout`` is "vllm" or "nhd" (see :func:`paged_attention`).
     """
-    return _core.kv_cache_shape(
-        int(num_blocks), int(block_size), int(num_kv_heads), int(head_size), dtype_name(dtype), layout
-    )
+    sizes = []
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size)):  # fmt: skip
+        try:
+            sizes.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{name}: expected an integer, got {type(v).__name__} {v!r}") from None
+    return _core.kv_cache_shape(*sizes, dtype_name(dtype), layout)
 
 
 def supported() -> dict:

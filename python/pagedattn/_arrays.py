@@ -28,6 +28,26 @@ def as_core(a: Any) -> tuple[Any, bool]:
     return a, False
 
 
+def check_writable(a: Any, name: str) -> None:
+    """A clear error for a read-only NumPy array passed where pagedattn writes."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only; pagedattn writes into it")
+
+
+def check_num_seqs(query: Any, block_tables: Any, seq_lens: Any) -> None:
+    """Before an output is allocated for ``query``: its first dimension must match the
+    index arrays' (the full validation happens in the core; this keeps a bad query from
+    allocating a huge output first)."""
+    q, bt, sl = (getattr(a, "shape", None) for a in (query, block_tables, seq_lens))
+    if q is None or len(q) != 3:  # other ranks get the core's own message
+        return
+    for name, shape in (("seq_lens", sl), ("block_tables", bt)):
+        if shape is not None and len(shape) >= 1 and int(shape[0]) != int(q[0]):
+            raise ValueError(
+                f"{name}: dimension 0 (num_seqs, as in query) must be {int(q[0])}, got {int(shape[0])}"
+            )
+
+
 def framework(a: Any) -> str:
     mod = type(a).__module__
     root = mod.split(".", 1)[0]

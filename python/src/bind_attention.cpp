@@ -15,7 +15,8 @@ namespace {
 
 // NumPy has no bfloat16; the Python layer passes ml_dtypes.bfloat16 arrays as uint16
 // views and sets the argument's bit in `bf16_mask` so the core sees bfloat16.
-TensorView view_arg(const AnyArray& a, unsigned mask, int bit) {
+template <class Array>
+TensorView view_arg(const Array& a, unsigned mask, int bit) {
   TensorView v = to_view(a);
   if ((mask >> bit) & 1u) {
     if (v.dtype != DType::kUInt16) fail<TypeMismatch>("internal: bfloat16 view expected as uint16");
@@ -34,7 +35,7 @@ nb::tuple shape_tuple(const Shape& s, int n) {
 struct DecodeCall {
   TensorView out, query, key_cache, value_cache, block_tables, seq_lens, alibi, ws;
   DecodeOptions opt;
-  DecodeCall(const AnyArray& out_, const AnyArray& query_, const AnyArray& key_cache_, const AnyArray& value_cache_,
+  DecodeCall(const AnyMutArray& out_, const AnyArray& query_, const AnyArray& key_cache_, const AnyArray& value_cache_,
              const AnyArray& block_tables_, const AnyArray& seq_lens_, std::optional<float> scale,
              const std::optional<AnyArray>& alibi_slopes, const std::string& kv_cache_dtype, float k_scale,
              float v_scale, int version, int partition_size, const std::optional<AnyArray>& workspace,
@@ -83,7 +84,7 @@ struct PreparedDecode {
 void bind_attention(nb::module_& m) {
   m.def(
       "paged_attention",
-      [](AnyArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache, AnyArray block_tables,
+      [](AnyMutArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache, AnyArray block_tables,
          AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
          const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
          std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
@@ -98,7 +99,7 @@ void bind_attention(nb::module_& m) {
                              "A decode validated once and launched many times (use pagedattn.prepare_decode).")
       .def(
           "__init__",
-          [](PreparedDecode* self, AnyArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache,
+          [](PreparedDecode* self, AnyMutArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache,
              AnyArray block_tables, AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
              const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
              std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
@@ -120,7 +121,7 @@ void bind_attention(nb::module_& m) {
 
   m.def(
       "reshape_and_cache",
-      [](AnyArray key, AnyArray value, AnyArray key_cache, AnyArray value_cache, AnyArray slot_mapping,
+      [](AnyArray key, AnyArray value, AnyMutArray key_cache, AnyMutArray value_cache, AnyArray slot_mapping,
          const std::string& kv_cache_dtype, float k_scale, float v_scale, std::uintptr_t stream, unsigned bf16_mask) {
         const TensorView k = view_arg(key, bf16_mask, 0), v = view_arg(value, bf16_mask, 1),
                          kc = view_arg(key_cache, bf16_mask, 2), vc = view_arg(value_cache, bf16_mask, 3);

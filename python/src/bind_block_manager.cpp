@@ -34,6 +34,14 @@ struct IntArg {
   nb::ndarray<nb::ro> keep;
 };
 
+// Export widths are int32 block-table columns; refuse absurd widths before allocating.
+void check_max_blocks(std::int64_t max_blocks, const char* what) {
+  constexpr std::int64_t kLimit = std::numeric_limits<std::int32_t>::max();
+  if (max_blocks > kLimit)
+    fail<InvalidArgument>(what, ": max_blocks = ", max_blocks, " is larger than ", kLimit,
+                          " (block-table widths are int32)");
+}
+
 template <class T>
 bool fits(long long v) {
   return v >= static_cast<long long>(std::numeric_limits<T>::min()) &&
@@ -246,6 +254,7 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
     if (*max_blocks < shape.max_blocks)
       fail<InvalidArgument>("step: max_blocks = ", *max_blocks, " is smaller than the widest block table (",
                             shape.max_blocks, ")");
+    check_max_blocks(*max_blocks, "step");
     width = *max_blocks;
   }
   const auto n = static_cast<std::size_t>(shape.num_seqs);
@@ -509,6 +518,7 @@ void bind_block_manager(nb::module_& m) {
                 if (*max_blocks < width)
                   fail<InvalidArgument>("block_tables: max_blocks = ", *max_blocks,
                                         " is smaller than the widest block table (", width, ")");
+                check_max_blocks(*max_blocks, "block_tables");
                 width = *max_blocks;
               }
             }
@@ -545,9 +555,11 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "slots",
           [](const BlockManager& b, std::int64_t seq_id, std::int64_t start, std::optional<std::int64_t> stop) {
-            const std::int64_t end = stop ? *stop : b.seq_len(seq_id);
-            if (end < start)
-              fail<OutOfRange>("slots: stop ", end, " < start ", start);
+            const std::int64_t len = b.seq_len(seq_id);
+            const std::int64_t end = stop ? *stop : len;
+            if (start < 0 || end < start || end > len)  // checked before the output is allocated
+              fail<OutOfRange>("slots: [start, stop) = [", start, ", ", end, ") is not a range inside [0, seq_len = ",
+                               len, "]");
             std::int64_t* p = nullptr;
             nb::object a = new_array<std::int64_t>({static_cast<std::size_t>(end - start)}, &p);
             b.slots(seq_id, start, end, p);

@@ -27,7 +27,9 @@ def raw(t):
     """Bytes of a tensor / array, for bitwise comparison (NaN included)."""
     if isinstance(t, torch.Tensor):
         t = t.detach().cpu().contiguous()
-        return t.view(torch.uint8).numpy() if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().view(np.uint8)
+        if t.element_size() == 1:
+            return t.view(torch.uint8).numpy()
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().view(np.uint8)
     return np.ascontiguousarray(t).view(np.uint8)
 
 

@@ -345,23 +345,21 @@ def test_first_chunk_of_minus_infinity_does_not_poison_later_chunks(rng):
     np.testing.assert_allclose(out[0, 0], expected, rtol=1e-4, atol=1e-5)
 
 
-# ---- known open issues (reported; owned elsewhere): strict xfails ----------------------
-def test_every_known_issue_is_pinned():
-    pinned = {name[len("test_known_") :].replace("_", "-") for name in globals() if name.startswith("test_known_")}
-    assert pinned == set(fuzz.KNOWN_ISSUES)
+# ---- issues the fuzzer found, now fixed: regression tests --------------------------------
+def test_no_known_issue_is_left_open():
+    assert fuzz.KNOWN_ISSUES == {}
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_ISSUES["readonly-output"])
-def test_known_readonly_output(rng):
+def test_fixed_readonly_output(rng):
     q, kc, vc, bt, sl = _decode_setup(rng)
     out = np.zeros_like(q)
     out.flags.writeable = False
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(ValueError, match="out: the array is read-only"):
         pagedattn.paged_attention(q, kc, vc, bt, sl, out=out)
+    assert not out.any(), "nothing may be written into a read-only array"
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_ISSUES["alloc-before-validate"])
-def test_known_alloc_before_validate():
+def test_fixed_alloc_before_validate():
     code = textwrap.dedent(
         """
         import numpy as np, pagedattn
@@ -378,22 +376,21 @@ def test_known_alloc_before_validate():
     assert r.returncode == 0 and r.stdout.startswith("ValueError"), r.stdout + r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_ISSUES["int-overflow-error"])
-def test_known_int_overflow_error():
-    with pytest.raises(ValueError):
+def test_fixed_int_overflow_error():
+    with pytest.raises(TypeError, match="num_blocks: expected an integer, got float inf"):
         pagedattn.kv_cache_shape(float("inf"), 16, 2, 64, "float16")
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_ISSUES["bm-alloc-before-check"])
-def test_known_bm_alloc_before_check():
+def test_fixed_bm_alloc_before_check():
     m = pagedattn.BlockManager(8, 4)
     m.add_sequence(1, [1, 2, 3])
     with pytest.raises(IndexError):
         m.slots(1, 0, 2**62)
+    with pytest.raises(ValueError, match="max_blocks"):
+        m.block_tables([1], max_blocks=2**40)
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_ISSUES["bm-eager-prefix-table"])
-def test_known_bm_eager_prefix_table():
+def test_fixed_bm_eager_prefix_table():
     code = textwrap.dedent(
         """
         import pagedattn

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -105,7 +106,7 @@ def copy_bandwidth_gbs(torch: Any, timer: Timer, nbytes: int = 2 << 30) -> float
     """Device-to-device copy bandwidth, bytes read + written per second."""
     a = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda").random_()
     b = torch.empty_like(a)
-    us = timer.gpu_us(lambda: b.copy_(a))
+    us = timer.gpu_us(functools.partial(b.copy_, a))
     del a, b
     return 2 * nbytes / (us * 1e-6) / 1e9
 
@@ -115,7 +116,8 @@ def _make_inputs(torch: Any, shape: Shape, seed: int):
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = getattr(torch, shape.dtype)
-    S, H, K, D, B, L = shape.batch, shape.num_heads, shape.num_kv_heads, shape.head_size, shape.block_size, shape.context
+    S, H, K, D = shape.batch, shape.num_heads, shape.num_kv_heads, shape.head_size
+    B, L = shape.block_size, shape.context
     per_seq = -(-L // B)
     nblocks = S * per_seq
     perm = torch.randperm(nblocks, device="cuda", generator=g).to(torch.int32)
@@ -149,7 +151,9 @@ def _impls(torch: Any, shape: Shape, inp: dict, use_flashinfer: bool) -> dict[st
     for layout in ("vllm", "nhd"):
         kc, vc = inp[f"k_{layout}"], inp[f"v_{layout}"]
         impls[f"pagedattn-{layout}"] = (
-            lambda kc=kc, vc=vc: pagedattn.paged_attention(q, kc, vc, tables, lens, out=out, workspace=ws, stream=stream)
+            lambda kc=kc, vc=vc: pagedattn.paged_attention(
+                q, kc, vc, tables, lens, out=out, workspace=ws, stream=stream
+            )
         )
 
     S, H, K, D, L = shape.batch, shape.num_heads, shape.num_kv_heads, shape.head_size, shape.context
