@@ -1146,8 +1146,11 @@ def run_case(d: Draw, target: Optional[str] = None) -> Outcome:
 def _limit_memory(mb: int) -> None:
     """Caps the address space so an accidental huge allocation fails (MemoryError)
     instead of waking the OOM killer. Skipped under AddressSanitizer (it reserves
-    terabytes of shadow memory)."""
+    terabytes of shadow memory) and in CUDA builds (initialising CUDA reserves a virtual
+    address range far larger than any cap, so calls would fail with out of memory)."""
     if mb <= 0 or "asan" in os.environ.get("LD_PRELOAD", "") or os.environ.get("ASAN_OPTIONS"):
+        return
+    if pagedattn.built_with_cuda():
         return
     try:
         import resource
