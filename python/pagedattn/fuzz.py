@@ -28,6 +28,7 @@ NumPy (ml_dtypes, when installed, adds bfloat16 cases).
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import faulthandler
@@ -63,11 +64,12 @@ KNOWN_ISSUES: dict = {}
 # ---------------------------------------------------------------------------------------
 # Random source
 # ---------------------------------------------------------------------------------------
-class Draw:
+class Draw(abc.ABC):
     """Integers on demand; everything else is derived. Subclass and define ``int``."""
 
-    def int(self, lo: int, hi: int) -> int:  # inclusive bounds
-        raise NotImplementedError
+    @abc.abstractmethod
+    def int(self, lo: int, hi: int) -> int:
+        """An integer in [lo, hi] (inclusive bounds)."""
 
     def choice(self, items: Any) -> Any:
         items = list(items)

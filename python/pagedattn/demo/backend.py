@@ -7,6 +7,7 @@ arrays (through DLPack); nothing here is needed by the library.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Optional
 
 import numpy as np
@@ -32,64 +33,72 @@ def _numpy_bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-class Backend:
+class Backend(abc.ABC):
     """Operations the demo needs; subclasses bind them to one array library."""
 
     name = "abstract"
     device = "cpu"
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """One line naming the device and the array library."""
 
     # -- dtypes and transfers ------------------------------------------------------------
+    @abc.abstractmethod
     def dtype(self, name: str) -> Any:
-        raise NotImplementedError
+        """The library's dtype object for a dtype name."""
 
+    @abc.abstractmethod
     def from_numpy(self, a: np.ndarray, dtype: Optional[str] = None) -> Any:
         """A device copy of a host array (cast to ``dtype`` when given)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def index(self, a: np.ndarray) -> Any:
         """A device copy of a host integer array (block tables, lengths, slots)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_numpy(self, a: Any) -> np.ndarray:
         """A host float32 copy of a floating-point device array (any of the three dtypes)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cast(self, a: Any, dtype: str) -> Any:
-        raise NotImplementedError
+        """Cast (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def full(self, shape: tuple, value: float, dtype: str) -> Any:
-        raise NotImplementedError
+        """Full (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def host_pool(self, shape: tuple, dtype: str) -> Any:
         """Host memory for swapped-out blocks (pinned when a GPU is involved)."""
-        raise NotImplementedError
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - a no-op where work is synchronous
         """Waits for queued device work (for honest timings)."""
 
     # -- math ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def permute(self, a: Any, axes: tuple) -> Any:
-        raise NotImplementedError
+        """Permute (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def concat(self, arrays: list, axis: int = 0) -> Any:
-        raise NotImplementedError
+        """Concat (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def take(self, a: Any, rows: np.ndarray) -> Any:
         """``a[rows]`` along the first dimension (``rows`` a host integer array)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rmsnorm(self, x: Any, gain: Any, eps: float = 1e-6) -> Any:
-        raise NotImplementedError
+        """Rmsnorm (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def silu(self, x: Any) -> Any:
-        raise NotImplementedError
+        """Silu (see the NumPy backend for the semantics)."""
 
+    @abc.abstractmethod
     def softmax(self, x: Any) -> Any:
         """Softmax over the last dimension."""
-        raise NotImplementedError
 
 
 class NumpyBackend(Backend):
