@@ -272,6 +272,15 @@ DecodePlan make_plan(const DecodeParams& p) {
 
 }  // namespace
 
+int device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
 std::size_t decode_workspace_bytes(const DecodeParams& p) {
   DeviceGuard guard(p.device_id);
   return make_plan(p).workspace_bytes();

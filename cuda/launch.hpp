@@ -14,6 +14,10 @@ namespace pagedattn::cuda_backend {
 void paged_attention(const DecodeParams& p, void* stream);
 void reshape_and_cache(const CacheWriteParams& p, void* stream);
 
+// Number of usable CUDA devices: 0 when there is none or no (recent enough) driver.
+// Never throws; leaves no pending CUDA error behind.
+int device_count() noexcept;
+
 // Device scratch bytes paged_attention(p) needs (0 when it runs single-pass). Reads
 // only host-known sizes of p (never seq_lens or the arrays' contents).
 std::size_t decode_workspace_bytes(const DecodeParams& p);

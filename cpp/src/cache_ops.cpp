@@ -173,6 +173,12 @@ std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
   if (q.partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", q.partition_size);
   if (!built_with_cuda())
     fail<NotSupported>("decode_workspace_size: this build of pagedattn has no CUDA backend (built without nvcc)");
+  const int devices = cuda_backend::device_count();
+  if (q.device_id < 0 || q.device_id >= devices)
+    fail<NotSupported>("decode_workspace_size: device ", q.device_id, " is not a usable CUDA device (",
+                       devices == 0 ? std::string("no CUDA device or driver is available")
+                                    : detail::concat(devices, " device(s) visible"),
+                       ")");
   DecodeParams p;
   p.num_seqs = q.num_seqs;
   p.num_heads = q.num_heads;

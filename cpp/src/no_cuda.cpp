@@ -7,6 +7,8 @@
 namespace pagedattn {
 namespace cuda_backend {
 
+int device_count() noexcept { return 0; }
+
 void paged_attention(const DecodeParams&, void*) {
   fail<NotSupported>("paged_attention: this build of pagedattn has no CUDA backend (built without nvcc)");
 }
