@@ -79,11 +79,11 @@ if has test; then
 fi
 
 if has sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck initcheck; do
     t0=$(date +%s)
     (cd /tmp && timeout ${PA_SAN_TIMEOUT:-100} compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
        python3 "$REPO/.ci/sanitize_sample.py" $tool > "$OUT/sanitize_$tool.log" 2>&1)
-    note "sanitize $tool: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+    note "sanitize $tool: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok|Error' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
   done
 fi
 
@@ -103,6 +103,14 @@ fi
 if has host; then
   (cd /tmp && timeout 90 python3 -m pagedattn.bench.host_cost > "$OUT/host_cost.log" 2>&1)
   note "host cost: rc=$? $(tr '\n' ';' < "$OUT/host_cost.log" | tr -s ' ')"
+fi
+
+if has cli; then  # the user-facing commands on the GPU
+  (cd /tmp && timeout 120 python3 -m pagedattn --device cuda > "$OUT/serve.log" 2>&1)
+  note "python -m pagedattn (GPU): rc=$? $(grep -E '^served|^checked' "$OUT/serve.log" | tr '\n' ' ')"
+  (cd /tmp && timeout 200 python3 -m pagedattn bench --quick --no-flashinfer --json "$OUT/bench_cli.json" \
+     --plot "$OUT/bench_cli.png" > "$OUT/bench_cli.log" 2>&1)
+  note "python -m pagedattn bench --quick --plot: rc=$? $(tail -2 "$OUT/bench_cli.log" | tr '\n' ' ' | cut -c1-300)"
 fi
 
 if has bm; then  # the block-manager tests alone, for a crash trace

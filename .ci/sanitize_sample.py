@@ -63,6 +63,38 @@ for layout, head in (("vllm", 64), ("nhd", 72)):
                               sl.cpu().numpy(), kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2)
     assert_close(out.cpu().numpy(), ref, np.float16, f"fp8 {layout}")
 
+# lengths at partition boundaries (v2 with 64-token partitions) and a 1-token tail
+p = make_problem(rng, [63, 64, 65, 128, 129], num_heads=8, num_kv_heads=1, head_size=128, block_size=16,
+                 dtype=np.float16, layout="vllm")
+out = pagedattn.paged_attention(*[t(a) for a in p.args()], version=2, partition_size=64)
+torch.cuda.synchronize()
+assert_close(back(out), paged_attention_ref(*p.args()), np.float16, "partition boundaries")
+
+# out-of-range block ids and lengths: the kernel must stay inside the cache, mark the
+# affected sequence with NaN, and (checking mode) raise IndexError naming the entry
+p = make_problem(rng, [40, 40], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=np.float16)
+bt = p.block_tables.copy()
+bt[1, 1] = 10**6
+args = [t(p.query), t(p.key_cache), t(p.value_cache), t(bt), t(p.seq_lens)]
+out = pagedattn.paged_attention(*args)
+torch.cuda.synchronize()
+res = back(out)
+assert np.isnan(res[1].astype(np.float32)).all(), "a sequence with a bad block id must come out as NaN"
+assert_close(res[:1], paged_attention_ref(*p.args())[:1], np.float16, "good sequence next to a bad one")
+try:
+    pagedattn.paged_attention(*args, check_block_tables=True)
+    raise AssertionError("check_block_tables=True did not raise")
+except IndexError as e:
+    assert "block_tables[1, 1] = 1000000" in str(e), str(e)
+sl = p.seq_lens.copy()
+sl[0] = 10**6
+try:
+    pagedattn.paged_attention(t(p.query), t(p.key_cache), t(p.value_cache), t(p.block_tables), t(sl),
+                              check_block_tables=True)
+    raise AssertionError("check_block_tables=True did not raise for a bad length")
+except IndexError as e:
+    assert "seq_lens[0]" in str(e), str(e)
+
 # block copy / swap
 cache = torch.randn(8, 2, 64, 16, dtype=torch.float16, device="cuda")
 pagedattn.copy_blocks([cache], [cache.clone()], [(0, 5), (1, 6)])
