@@ -8,17 +8,15 @@
 
 #include "cuda/launch.hpp"
 #include "pagedattn/attention.hpp"
+#include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
 
 namespace pagedattn {
 namespace {
 
-bool on_host(const TensorView& t) { return t.device == DeviceKind::kCPU || t.device == DeviceKind::kCUDAHost; }
-
-std::string where(const TensorView& t) {
-  if (t.device == DeviceKind::kCUDA) return detail::concat("cuda:", t.device_id);
-  return device_name(t.device);
-}
+using detail::on_host;
+using detail::same_device;
+using detail::where;
 
 void check_known_device(const TensorView& t, const std::string& name) {
   if (t.device == DeviceKind::kOther)
@@ -74,8 +72,7 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
     const TensorView& t = caches[i];
     const std::string name = detail::concat("caches[", i, "]");
     check_known_device(t, name);
-    const bool same = (on_host(ref) && on_host(t)) ||
-                      (ref.device == DeviceKind::kCUDA && t.device == DeviceKind::kCUDA && ref.device_id == t.device_id);
+    const bool same = same_device(ref, t);
     if (!same)
       fail<InvalidArgument>(name, " is on ", where(t), " but caches[0] is on ", where(ref),
                             "; all caches of one call must be on the same device");

@@ -9,24 +9,21 @@
 #include <vector>
 
 #include "pagedattn/attention.hpp"
+#include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
 
 namespace pagedattn {
 namespace {
 
-bool on_host(const TensorView& t) { return t.device == DeviceKind::kCPU || t.device == DeviceKind::kCUDAHost; }
-
-std::string where(const TensorView& t) {
-  if (t.device == DeviceKind::kCUDA) return detail::concat("cuda:", t.device_id);
-  return device_name(t.device);
-}
+using detail::on_host;
+using detail::same_device;
+using detail::where;
 
 // All arrays must live on one device: host memory (CPU or pinned) or one CUDA device.
 void check_same_device(const TensorView& ref, const char* ref_name, const TensorView& t, const char* name) {
   if (t.device == DeviceKind::kOther)
     fail<TypeMismatch>(name, ": arrays on this device type are not supported (expected cpu or cuda)");
-  const bool same = (on_host(ref) && on_host(t)) ||
-                    (ref.device == DeviceKind::kCUDA && t.device == DeviceKind::kCUDA && ref.device_id == t.device_id);
+  const bool same = same_device(ref, t);
   if (!same)
     fail<InvalidArgument>(name, " is on ", where(t), " but ", ref_name, " is on ", where(ref),
                           "; all arrays of one call must be on the same device");

@@ -18,6 +18,7 @@ Options (no command):
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -29,20 +30,11 @@ from pagedattn.reference import paged_attention_ref
 
 
 def _cuda_lib():
-    """The first installed array library that can put arrays on a CUDA GPU."""
-    for name in ("cupy", "torch"):
-        try:
-            mod = __import__(name)
-        except ImportError:
-            continue
-        try:
-            if name == "cupy" and mod.cuda.runtime.getDeviceCount() > 0:
-                return name, mod
-            if name == "torch" and mod.cuda.is_available():
-                return name, mod
-        except Exception:  # a library present but without a usable GPU
-            continue
-    return None, None
+    """(name, module) of the first installed array library that sees a CUDA GPU, else (None, None)."""
+    from pagedattn.demo.backend import find_gpu_library
+
+    name, _ = find_gpu_library()
+    return (name, importlib.import_module(name)) if name else (None, None)
 
 
 def _random_problem(rng, num_seqs, num_heads, num_kv_heads, head_size, block_size, seq_len, dtype):

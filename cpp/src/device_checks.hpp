@@ -1,0 +1,28 @@
+// Device helpers shared by the validation passes (validate.cpp, cache_ops.cpp).
+#pragma once
+
+#include <string>
+
+#include "pagedattn/errors.hpp"
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn::detail {
+
+// Host memory: plain CPU memory or CUDA pinned host memory.
+inline bool on_host(const TensorView& t) {
+  return t.device == DeviceKind::kCPU || t.device == DeviceKind::kCUDAHost;
+}
+
+// "cpu", "cuda_host" or "cuda:N", for messages.
+inline std::string where(const TensorView& t) {
+  if (t.device == DeviceKind::kCUDA) return concat("cuda:", t.device_id);
+  return device_name(t.device);
+}
+
+// Both in host memory, or both on the same CUDA device.
+inline bool same_device(const TensorView& a, const TensorView& b) {
+  return (on_host(a) && on_host(b)) ||
+         (a.device == DeviceKind::kCUDA && b.device == DeviceKind::kCUDA && a.device_id == b.device_id);
+}
+
+}  // namespace pagedattn::detail
