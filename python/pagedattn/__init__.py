@@ -28,20 +28,12 @@ __all__ = [
     "include_dir",
 ]
 
-try:  # optional parts, present once built
-    from .block_manager import *  # noqa: F401,F403
-    from .block_manager import __all__ as _bm_all
+from .block_manager import *  # noqa: E402,F401,F403
+from .block_manager import __all__ as _bm_all  # noqa: E402
+from .cache_ops import *  # noqa: E402,F401,F403
+from .cache_ops import __all__ as _co_all  # noqa: E402
 
-    __all__ += list(_bm_all)
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from .cache_ops import *  # noqa: F401,F403
-    from .cache_ops import __all__ as _co_all
-
-    __all__ += list(_co_all)
-except ImportError:  # pragma: no cover
-    pass
+__all__ += list(_bm_all) + list(_co_all)
 
 
 def cmake_dir() -> str:
