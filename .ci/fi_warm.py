@@ -1,9 +1,8 @@
 """Compiles FlashInfer's decode kernels for the benchmark shapes ahead of the timed run
 (its JIT takes about a minute per module); runs in the background during the tests."""
 
-import torch
-
 import flashinfer
+import torch
 
 for dt, heads, kv, d in ((torch.bfloat16, 32, 8, 128), (torch.float16, 12, 12, 64), (torch.float16, 56, 56, 128)):
     for tc in (True, False):

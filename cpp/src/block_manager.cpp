@@ -474,10 +474,7 @@ std::int64_t BlockManager::batch_append_demand() const {
   // One token per sequence in scratch_idx_. Copy-on-write is counted exactly: when k
   // sequences share a partly filled last block, the first k - 1 appenders copy it and the
   // last one writes in place.
-  if (++bstamp_ == 0) {
-    std::fill(block_stamp_.begin(), block_stamp_.end(), 0u);
-    bstamp_ = 1;
-  }
+  next_block_stamp();
   std::int64_t need = 0;
   for (const std::int32_t idx : scratch_idx_) {
     const Seq& s = seqs_[static_cast<std::size_t>(idx)];

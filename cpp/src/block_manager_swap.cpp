@@ -10,12 +10,16 @@ namespace pagedattn {
 // ---------------------------------------------------------------------------------------
 // Swapping
 // ---------------------------------------------------------------------------------------
-std::int64_t BlockManager::distinct_blocks_of_scratch(bool cpu) const {
-  (void)cpu;  // the same stamp arrays serve both pools (sized for the larger one)
+void BlockManager::next_block_stamp() const {
   if (++bstamp_ == 0) {
     std::fill(block_stamp_.begin(), block_stamp_.end(), 0u);
     bstamp_ = 1;
   }
+}
+
+std::int64_t BlockManager::distinct_blocks_of_scratch(bool cpu) const {
+  (void)cpu;  // the same stamp arrays serve both pools (sized for the larger one)
+  next_block_stamp();
   std::int64_t distinct = 0;
   for (const std::int32_t idx : scratch_idx_) {
     for (const std::int32_t b : seqs_[static_cast<std::size_t>(idx)].blocks) {
@@ -46,11 +50,7 @@ void BlockManager::swap_out(const std::int64_t* seq_ids, std::int64_t n, BlockPa
   pairs.reserve(pairs.size() + static_cast<std::size_t>(need));
   // Map every distinct GPU block to a CPU block (first use in table order), then release
   // the GPU blocks, last block first (as free() does).
-  ++bstamp_;
-  if (bstamp_ == 0) {
-    std::fill(block_stamp_.begin(), block_stamp_.end(), 0u);
-    bstamp_ = 1;
-  }
+  next_block_stamp();
   for (const std::int32_t idx : scratch_idx_) {
     Seq& s = seqs_[static_cast<std::size_t>(idx)];
     for (std::int32_t& b : s.blocks) {
@@ -85,11 +85,7 @@ void BlockManager::swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPai
     fail<OutOfBlocks>("swap_in: ", n, " sequence(s) need ", need, " block(s); ", num_available_blocks(),
                       " available, ", watermark_blocks_, " kept free by the watermark");
   pairs.reserve(pairs.size() + static_cast<std::size_t>(need));
-  ++bstamp_;
-  if (bstamp_ == 0) {
-    std::fill(block_stamp_.begin(), block_stamp_.end(), 0u);
-    bstamp_ = 1;
-  }
+  next_block_stamp();
   for (const std::int32_t idx : scratch_idx_) {
     Seq& s = seqs_[static_cast<std::size_t>(idx)];
     for (std::int32_t& c : s.blocks) {

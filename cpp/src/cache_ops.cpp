@@ -159,15 +159,8 @@ std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
   if (!supported::is_dtype(q.dtype))
     fail<TypeMismatch>("decode_workspace_size: dtype ", dtype_name(q.dtype), " is not supported; expected one of ",
                        supported::dtypes_str());
-  if (!supported::is_cuda_head_size(q.head_size))
-    fail<NotSupported>("head_size ", q.head_size, " is not supported on CUDA; supported: ",
-                       supported::cuda_head_sizes_str());
-  if (!supported::is_cuda_block_size(q.block_size))
-    fail<NotSupported>("block_size ", q.block_size, " is not supported on CUDA; supported: ",
-                       supported::cuda_block_sizes_str());
-  if (q.version < 0 || q.version > 2)
-    fail<InvalidArgument>("version: got ", q.version, ", expected 0 (automatic), 1 or 2");
-  if (q.partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", q.partition_size);
+  detail::check_cuda_sizes(q.head_size, q.block_size);
+  detail::check_decode_choice(q.version, q.partition_size);
   if (!built_with_cuda())
     fail<NotSupported>("decode_workspace_size: this build of pagedattn has no CUDA backend (built without nvcc)");
   const int devices = cuda_backend::device_count();

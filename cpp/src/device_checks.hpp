@@ -1,6 +1,7 @@
-// Device helpers shared by the validation passes (validate.cpp, cache_ops.cpp).
+// Checks shared by the validation passes (validate.cpp, cache_ops.cpp).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "pagedattn/errors.hpp"
@@ -24,5 +25,13 @@ inline bool same_device(const TensorView& a, const TensorView& b) {
   return (on_host(a) && on_host(b)) ||
          (a.device == DeviceKind::kCUDA && b.device == DeviceKind::kCUDA && a.device_id == b.device_id);
 }
+
+// Head size and block size against the CUDA backend's supported lists (NotSupported).
+// Defined in validate.cpp.
+void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
+
+// The decode kernel choice: version in {0, 1, 2}, partition_size >= 0 (InvalidArgument).
+// Defined in validate.cpp.
+void check_decode_choice(int version, int partition_size);
 
 }  // namespace pagedattn::detail

@@ -229,17 +229,11 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
   return g;
 }
 
-void check_cuda_geometry(DType dtype, std::int64_t head_size, std::int64_t block_size) {
+void check_cuda_geometry(std::int64_t head_size, std::int64_t block_size) {
   if (!built_with_cuda())
     fail<NotSupported>("CUDA arrays are not supported by this build of pagedattn (built without CUDA); "
                        "reinstall on a machine with nvcc, or pass host arrays");
-  (void)dtype;
-  if (!supported::is_cuda_head_size(static_cast<int>(head_size)))
-    fail<NotSupported>("head_size ", head_size, " is not supported on CUDA; supported: ",
-                       supported::cuda_head_sizes_str());
-  if (!supported::is_cuda_block_size(static_cast<int>(block_size)))
-    fail<NotSupported>("block_size ", block_size, " is not supported on CUDA; supported: ",
-                       supported::cuda_block_sizes_str());
+  detail::check_cuda_sizes(head_size, block_size);
 }
 
 void check_host_limits(std::int64_t head_size, std::int64_t block_size) {
@@ -251,6 +245,24 @@ void check_host_limits(std::int64_t head_size, std::int64_t block_size) {
 }
 
 }  // namespace
+
+namespace detail {
+
+void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size) {
+  if (!supported::is_cuda_head_size(static_cast<int>(head_size)))
+    fail<NotSupported>("head_size ", head_size, " is not supported on CUDA; supported: ",
+                       supported::cuda_head_sizes_str());
+  if (!supported::is_cuda_block_size(static_cast<int>(block_size)))
+    fail<NotSupported>("block_size ", block_size, " is not supported on CUDA; supported: ",
+                       supported::cuda_block_sizes_str());
+}
+
+void check_decode_choice(int version, int partition_size) {
+  if (version < 0 || version > 2) fail<InvalidArgument>("version: got ", version, ", expected 0 (automatic), 1 or 2");
+  if (partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", partition_size);
+}
+
+}  // namespace detail
 
 DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                                 const TensorView& value_cache, const TensorView& block_tables,
@@ -317,9 +329,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");
   }
-  if (opt.version < 0 || opt.version > 2)
-    fail<InvalidArgument>("version: got ", opt.version, ", expected 0 (automatic), 1 or 2");
-  if (opt.partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", opt.partition_size);
+  detail::check_decode_choice(opt.version, opt.partition_size);
 
   DecodeParams p;
   p.out = out.data;
@@ -352,7 +362,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.device_id = query.device_id;
 
   if (query.device == DeviceKind::kCUDA) {
-    check_cuda_geometry(query.dtype, D, g.block_size);
+    check_cuda_geometry(D, g.block_size);
     if (opt.workspace) {
       check_same_device(query, "query", *opt.workspace, "workspace");
       check_contiguous(*opt.workspace, "workspace");
@@ -456,7 +466,7 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
   p.device_id = key.device_id;
 
   if (key.device == DeviceKind::kCUDA) {
-    check_cuda_geometry(key.dtype, g.head_size, g.block_size);
+    check_cuda_geometry(g.head_size, g.block_size);
   } else {
     check_host_limits(g.head_size, g.block_size);
     const std::int64_t num_slots = g.num_blocks * g.block_size;

@@ -224,13 +224,18 @@ def _seq_len(d: Draw, B: int) -> int:
     return max(0, d.choice([0, 1, B - 1, B, B + 1, 2 * B, 3 * B - 1, d.int(0, 4 * B)]))
 
 
-def make_decode_problem(d: Draw) -> DecodeProblem:
+def _draw_cache_kind(d: Draw) -> tuple:
+    """(rng, dtype, kv_cache_dtype, layout, cache dtype, x) of a random cache setup."""
     rng = d.rng()
     dtype = d.choice(FLOAT_DTYPES)
     kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
     layout = d.choice(["vllm", "nhd"])
     cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
-    x = 16 // cache_dt.itemsize
+    return rng, dtype, kv, layout, cache_dt, 16 // cache_dt.itemsize
+
+
+def make_decode_problem(d: Draw) -> DecodeProblem:
+    rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
     big = d.bool(0.05)  # the CPU limits: head size or block size 1024
     K = d.int(1, 3)
     G = d.choice([1, 1, 2, 3, 4])
@@ -567,12 +572,7 @@ def fuzz_prepare_decode(d: Draw) -> Outcome:
 # reshape_and_cache
 # ---------------------------------------------------------------------------------------
 def fuzz_reshape_and_cache(d: Draw) -> Outcome:
-    rng = d.rng()
-    dtype = d.choice(FLOAT_DTYPES)
-    kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
-    layout = d.choice(["vllm", "nhd"])
-    cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
-    x = 16 // cache_dt.itemsize
+    rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
     K = d.int(1, 3)
     D = x * d.int(1, 4) if layout == "vllm" else d.choice([1, 5, 8, 16, 64])
     B = d.choice([1, 2, 3, 8, 16])

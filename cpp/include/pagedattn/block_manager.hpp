@@ -278,6 +278,8 @@ class BlockManager {
                                  std::vector<std::int32_t>* blocks) const;
   std::int64_t batch_append_demand() const;  // over scratch_idx_, one token each
   std::int64_t distinct_blocks_of_scratch(bool cpu) const;
+  // Starts a new marking round over block_stamp_ (clearing it when the counter wraps).
+  void next_block_stamp() const;
   Hash128 hash_block(const Hash128& prev, std::uint64_t extra, const std::int32_t* tokens) const;
   std::int32_t find_cached(const Hash128& h) const;
   bool verify_cached(std::int32_t b, const Hash128& prev, std::uint64_t extra,
