@@ -46,6 +46,7 @@ struct DeviceInfo {
   int num_sms = 0;
   int max_smem_per_block = 0;  // opt-in limit
   int max_smem_per_sm = 0;
+  int cc_major = 0;  // compute capability (9 and up: programmatic dependent launch)
 };
 // Read once per device (no synchronisation).
 const DeviceInfo& device_info(int device);

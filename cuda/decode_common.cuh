@@ -28,6 +28,20 @@ __device__ __forceinline__ int load_block_id(const DecodeKernelParams& p, int s,
 }
 
 // Length of sequence s, or -1 (recorded) when outside [0, M * B].
+// Programmatic dependent launch (sm_90 and later; no-ops before): a decode kernel lets
+// the reduce kernel queued behind it start launching at once, and the reduce kernel
+// waits for the decode grid to complete (memory included) before it reads the partials.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
   const int len = __ldg(p.seq_lens + s);
   if (len < 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {

@@ -11,6 +11,7 @@
 // check_block_tables (which must read the device error record back).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -36,6 +37,8 @@ const DeviceInfo& device_info(int device) {
   check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute");
   check_cuda(cudaDeviceGetAttribute(&info.max_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+             "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device),
              "cudaDeviceGetAttribute");
   return cache.emplace(device, info).first->second;
 }
@@ -111,6 +114,7 @@ template <class T>
 __global__ void decode_reduce_kernel(const __grid_constant__ DecodeKernelParams p) {
   extern __shared__ float wts[];  // [NP]
   __shared__ float red[32];
+  wait_for_primary_grid();  // launched early (sm_90+): the partials are complete after this
   const int h = blockIdx.x, s = blockIdx.y;
   const int D = p.head_size;
   T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
@@ -201,6 +205,7 @@ struct DecodePlan {
   int num_partitions = 1;
   int partition_size = 0;
   bool partials = false;
+  bool dependent_launch = false;  // launch the reduce with programmatic stream serialisation
   std::size_t out_bytes = 0, stat_bytes = 0;
   std::size_t workspace_bytes() const { return partials ? align_up(out_bytes) + 2 * align_up(stat_bytes) : 0; }
 };
@@ -222,6 +227,12 @@ double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double b
 DecodePlan make_plan(const DecodeParams& p) {
   DecodePlan plan;
   plan.kernel = select_kernel(p);
+  // PAGEDATTN_NO_PDL=1 turns programmatic dependent launch off (for A/B measurements).
+  static const bool pdl_off = [] {
+    const char* e = std::getenv("PAGEDATTN_NO_PDL");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }();
+  plan.dependent_launch = !pdl_off && device_info(p.device_id).cc_major >= 9;
   const int slots_per_sm = prepare_kernel(plan.kernel, p.device_id);
   const int slots = device_info(p.device_id).num_sms * slots_per_sm;
   const int G = p.num_heads / p.num_kv_heads;
@@ -270,6 +281,43 @@ DecodePlan make_plan(const DecodeParams& p) {
   return plan;
 }
 
+// The inputs of make_plan: everything host-known that the plan depends on.
+struct PlanKey {
+  int device, head_size, num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, version, partition_size;
+  DType dtype;
+  KVCacheDType kv_cache_dtype;
+  CacheLayout layout;
+  bool operator==(const PlanKey& o) const {
+    return device == o.device && head_size == o.head_size && num_seqs == o.num_seqs && num_heads == o.num_heads &&
+           num_kv_heads == o.num_kv_heads && max_blocks_per_seq == o.max_blocks_per_seq &&
+           block_size == o.block_size && version == o.version && partition_size == o.partition_size &&
+           dtype == o.dtype && kv_cache_dtype == o.kv_cache_dtype && layout == o.layout;
+  }
+};
+
+// make_plan costs a few microseconds (the partition search, the per-kernel lookups);
+// a serving loop repeats the same few shapes, so each thread keeps its last plans.
+const DecodePlan& cached_plan(const DecodeParams& p) {
+  constexpr int kSlots = 8;
+  struct Entry {
+    PlanKey key;
+    DecodePlan plan;
+    bool used = false;
+  };
+  thread_local Entry entries[kSlots];
+  thread_local int next = 0;
+  const PlanKey key{p.device_id,  p.head_size,  p.num_seqs,       p.num_heads,     p.num_kv_heads, p.max_blocks_per_seq,
+                    p.block_size, p.version,    p.partition_size, p.dtype,         p.kv_cache_dtype, p.layout};
+  for (Entry& e : entries)
+    if (e.used && e.key == key) return e.plan;
+  Entry& e = entries[next];
+  e.plan = make_plan(p);  // may throw: the slot stays as it was
+  e.key = key;
+  e.used = true;
+  next = (next + 1) % kSlots;
+  return e.plan;
+}
+
 }  // namespace
 
 int device_count() noexcept {
@@ -301,7 +349,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
     fail<InvalidArgument>("check_block_tables=True needs a host synchronisation and cannot run during CUDA graph "
                           "capture");
 
-  const DecodePlan plan = make_plan(p);
+  const DecodePlan plan = cached_plan(p);
   DecodeKernelParams k{};
   k.out = p.out;
   k.o_stride_seq = p.o_stride_seq;
@@ -368,9 +416,19 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
       check_cuda(cudaFuncSetAttribute(red, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                  "cudaFuncSetAttribute");
     }
-    check_cuda(cudaLaunchKernel(red, dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs)),
-                                dim3(128), args, smem, stream),
-               "paged_attention: reduce kernel launch");
+    // Programmatic dependent launch where the device has it: the reduce kernel is set up
+    // while the decode grid runs and waits for it on the device (no launch gap).
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs));
+    cfg.blockDim = dim3(128);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = plan.dependent_launch ? 1 : 0;
+    check_cuda(cudaLaunchKernelExC(&cfg, red, args), "paged_attention: reduce kernel launch");
     check_launch("paged_attention: reduce kernel");
   }
 

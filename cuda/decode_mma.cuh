@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   __shared__ float red_m[C::kWarps * C::kRows];
   __shared__ float red_l[C::kWarps * C::kRows];
 
+  allow_dependent_launch();
   const int part = blockIdx.x;
   const int kvh = blockIdx.y / p.num_head_tiles;
   const int tile = blockIdx.y % p.num_head_tiles;

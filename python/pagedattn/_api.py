@@ -70,6 +70,14 @@ def paged_attention(
     value = stored value * ``k_scale`` / ``v_scale``. ``version`` (CUDA) forces the
     single-pass (1) or partitioned (2) kernel; 0 chooses.
     """
+    if stream is None or type(stream) is int:
+        # Fast path: every array's type offers the DLPack C exchange API (torch >= 2.11):
+        # converted in C++ with no Python-level call, on the framework's current stream.
+        result = _core.paged_attention_exchange(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                alibi_slopes, kv_cache_dtype, k_scale, v_scale, version,
+                                                partition_size, workspace, check_block_tables, stream)  # fmt: skip
+        if result is not None:
+            return result
     if out is None:
         check_num_seqs(query, block_tables, seq_lens)
         result = empty_like(query)
@@ -158,6 +166,10 @@ def reshape_and_cache(
     padding and are skipped. Works with both cache layouts; with an fp8
     ``kv_cache_dtype`` the values are stored as value / scale, saturated.
     """
+    if (stream is None or type(stream) is int) and _core.reshape_and_cache_exchange(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, stream
+    ):
+        return
     check_writable(key_cache, "key_cache")
     check_writable(value_cache, "value_cache")
     k, bf_k = as_core(key)

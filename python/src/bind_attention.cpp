@@ -3,7 +3,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <utility>
+
 #include "bindings.hpp"
+#include "exchange.hpp"
 #include "ndarray.hpp"
 #include "pagedattn/attention.hpp"
 
@@ -79,9 +82,108 @@ struct PreparedDecode {
       "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "version"_a = 0, "partition_size"_a = 0, \
       "workspace"_a.none() = nb::none(), "check_block_tables"_a = false, "stream"_a = 0, "bf16_mask"_a = 0u
 
+// Eager decode with every array converted through its type's DLPack exchange table
+// (no Python-level call per array, the stream from the producer): the fast path of
+// pagedattn.paged_attention. Returns None, having done nothing, when an array's type
+// offers no table or the producer refuses it; the caller then takes the general path
+// (which also gives the error messages for the cases skipped here).
+nb::object decode_exchange(nb::handle out, nb::handle query, nb::handle key_cache, nb::handle value_cache,
+                           nb::handle block_tables, nb::handle seq_lens, std::optional<float> scale,
+                           nb::handle alibi_slopes, const std::string& kv_cache_dtype, float k_scale, float v_scale,
+                           int version, int partition_size, nb::handle workspace, bool check_block_tables,
+                           nb::handle stream) {
+  enum { kQ, kK, kV, kBT, kSL, kOpt };
+  exchange::Arrays a;
+  for (nb::handle h : {query, key_cache, value_cache, block_tables, seq_lens})
+    if (!a.add(h.ptr())) return nb::none();
+  int i_out = -1, i_alibi = -1, i_ws = -1, n = kOpt;
+  for (auto [h, idx] : {std::pair<nb::handle, int*>{out, &i_out}, {alibi_slopes, &i_alibi}, {workspace, &i_ws}}) {
+    if (h.is_none()) continue;
+    if (!a.add(h.ptr())) return nb::none();
+    *idx = n++;
+  }
+  if (!stream.is_none() && !PyLong_CheckExact(stream.ptr())) return nb::none();
+
+  const TensorView& q = a[kQ];
+  nb::object result;
+  TensorView o;
+  if (i_out >= 0) {
+    if (a.read_only(i_out)) return nb::none();
+    result = nb::borrow(out);
+    o = a[i_out];
+  } else {
+    // Allocate only for a query whose sequence count the index arrays agree with (the
+    // general path reports the mismatch before it allocates anything).
+    if (q.ndim != 3 || a[kBT].ndim < 1 || a[kSL].ndim < 1 || a[kBT].shape[0] != q.shape[0] ||
+        a[kSL].shape[0] != q.shape[0])
+      return nb::none();
+    PyObject* fresh = exchange::allocate_like(a.api(kQ), q, &o);
+    if (fresh == nullptr) return nb::none();
+    result = nb::steal(fresh);
+  }
+  void* handle = nullptr;
+  if (stream.is_none()) {
+    if (!exchange::current_stream(a.api(kQ), q, &handle)) return nb::none();
+  } else {
+    handle = to_stream(nb::cast<std::uintptr_t>(stream));
+  }
+
+  DecodeOptions opt;
+  opt.scale = scale;
+  if (i_alibi >= 0) opt.alibi_slopes = &a[i_alibi];
+  if (i_ws >= 0) opt.workspace = &a[i_ws];
+  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  opt.k_scale = k_scale;
+  opt.v_scale = v_scale;
+  opt.version = version;
+  opt.partition_size = partition_size;
+  opt.check_block_tables = check_block_tables;
+  opt.stream = handle;
+  {
+    nb::gil_scoped_release release;
+    paged_attention(o, q, a[kK], a[kV], a[kBT], a[kSL], opt);
+  }
+  return result;
+}
+
+// reshape_and_cache through the exchange tables; False when the general path must run.
+bool cache_write_exchange(nb::handle key, nb::handle value, nb::handle key_cache, nb::handle value_cache,
+                          nb::handle slot_mapping, const std::string& kv_cache_dtype, float k_scale, float v_scale,
+                          nb::handle stream) {
+  exchange::Arrays a;
+  for (nb::handle h : {key, value, key_cache, value_cache, slot_mapping})
+    if (!a.add(h.ptr())) return false;
+  if (a.read_only(2) || a.read_only(3)) return false;
+  if (!stream.is_none() && !PyLong_CheckExact(stream.ptr())) return false;
+  void* handle = nullptr;
+  if (stream.is_none()) {
+    if (!exchange::current_stream(a.api(0), a[0], &handle)) return false;
+  } else {
+    handle = to_stream(nb::cast<std::uintptr_t>(stream));
+  }
+  CacheWriteOptions opt;
+  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  opt.k_scale = k_scale;
+  opt.v_scale = v_scale;
+  opt.stream = handle;
+  nb::gil_scoped_release release;
+  reshape_and_cache(a[0], a[1], a[2], a[3], a[4], opt);
+  return true;
+}
+
 }  // namespace
 
 void bind_attention(nb::module_& m) {
+  m.def("paged_attention_exchange", &decode_exchange, "out"_a.none(), "query"_a, "key_cache"_a, "value_cache"_a,
+        "block_tables"_a, "seq_lens"_a, "scale"_a.none(), "alibi_slopes"_a.none(), "kv_cache_dtype"_a, "k_scale"_a,
+        "v_scale"_a, "version"_a, "partition_size"_a, "workspace"_a.none(), "check_block_tables"_a, "stream"_a.none(),
+        "Decode through the DLPack C exchange API; None when an argument's type does not offer it.");
+  m.def("reshape_and_cache_exchange", &cache_write_exchange, "key"_a, "value"_a, "key_cache"_a, "value_cache"_a,
+        "slot_mapping"_a, "kv_cache_dtype"_a, "k_scale"_a, "v_scale"_a, "stream"_a.none(),
+        "Cache write through the DLPack C exchange API; False when an argument's type does not offer it.");
+  m.def("exchange_api_available", [](nb::handle obj) { return exchange::api_of(obj.ptr()) != nullptr; }, "obj"_a,
+        "Whether the type of `obj` offers the DLPack C exchange API (`__dlpack_c_exchange_api__`).");
+
   m.def(
       "paged_attention",
       [](AnyMutArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache, AnyArray block_tables,

@@ -3,8 +3,10 @@
     python -m pagedattn.bench.host_cost [--calls N]
 
 Times the Python-side cost of issuing one decode (argument conversion, validation,
-launch) for the seeds' OPT-125m shape, for: an eager call with torch tensors, an eager
-call with CuPy arrays, and a PreparedDecode (validated once) run. Each figure is the
+launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (through the
+DLPack C exchange fast path, and through the general DLPack path), an eager call with
+CuPy arrays, a PreparedDecode (validated once) run, and for scale one torch kernel
+launch. Each figure is the
 median wall time of single calls, issued while the GPU is kept busy by a long spin so
 that launches never wait for the device.
 """
@@ -60,6 +62,17 @@ def run(calls: int = 500):
         lambda: pagedattn.paged_attention(*args_t, out=out_t), calls, busy
     )
     rows["eager, torch tensors, new output"] = _median_call_us(lambda: pagedattn.paged_attention(*args_t), calls, busy)
+    rows["eager, torch tensors, out=, single pass (one launch)"] = _median_call_us(
+        lambda: pagedattn.paged_attention(*args_t, out=out_t, version=1), calls, busy
+    )
+    # The general path (nanobind's DLPack import through __dlpack__), which the fast path
+    # replaces for producers offering the DLPack C exchange API; a NumPy-integer stream
+    # handle is declined by the fast path.
+    handle = np.int64(torch.cuda.current_stream().cuda_stream)
+    rows["eager, torch tensors, out=, general DLPack path"] = _median_call_us(
+        lambda: pagedattn.paged_attention(*args_t, out=out_t, stream=handle), calls, busy
+    )
+    rows["for scale: one torch kernel launch (out.zero_())"] = _median_call_us(out_t.zero_, calls, busy)
     prep = pagedattn.prepare_decode(*args_t, out=out_t)
     rows["PreparedDecode.run(), torch tensors"] = _median_call_us(prep.run, calls, busy)
     try:
@@ -88,7 +101,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = run(args.calls)
     for name, us in rows.items():
-        print(f"{name:40s} {us:7.2f} us/call")
+        print(f"{name:52s} {us:7.2f} us/call")
     return 0
 
 

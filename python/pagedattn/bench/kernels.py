@@ -3,8 +3,9 @@
 Per shape and implementation:
 
 - GPU time per call: median over many repetitions, timed with CUDA events after a
-  warm-up. Before each timed call the L2 cache is evicted by writing a buffer twice its
-  size, and the call is queued behind a short GPU spin so host overhead stays out.
+  warm-up. Before each timed call the L2 cache is evicted by reading a buffer twice its
+  size (``--flush write`` writes it instead, which leaves dirty lines the timed call must
+  write back), and the call is queued behind a short GPU spin so host overhead stays out.
 - Host cost per eager call: wall time of many back-to-back calls from Python, divided by
   their number (the GPU is not waited on).
 - Bytes moved (every key and value a sequence owns read once, queries read, outputs
@@ -65,13 +66,14 @@ SHAPES = _suite()
 class Timer:
     """CUDA-event timing with L2 eviction and a GPU spin in front of each call."""
 
-    def __init__(self, torch: Any, reps: int, warmup: int):
+    def __init__(self, torch: Any, reps: int, warmup: int, flush: str = "read"):
         self.torch = torch
+        self.flush_mode = flush
         self.reps = reps
         self.warmup = warmup
         props = torch.cuda.get_device_properties(0)
         l2 = getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20
-        self.flush = torch.empty(int(2 * l2) // 4 + 1024, dtype=torch.int32, device="cuda")
+        self.flush = torch.zeros(int(2 * l2) // 4 + 1024, dtype=torch.int32, device="cuda")
         # cycles for roughly 30 us of spin at ~2 GHz: long enough to queue the call
         self.spin_cycles = 60_000
 
@@ -83,13 +85,22 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for i in range(self.reps):
-            self.flush.fill_(i)
+            self._evict_l2(i)
             torch.cuda._sleep(self.spin_cycles)
             starts[i].record()
             fn()
             ends[i].record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+    def _evict_l2(self, i: int) -> None:
+        # "read" leaves the L2 full of clean lines (as after the weight reads of a model
+        # step); "write" leaves it full of dirty lines, so the timed call also pays for
+        # writing ~L2-size bytes back to memory while it reads.
+        if self.flush_mode == "write":
+            self.flush.fill_(i)
+        else:
+            self.flush.sum()
 
     def host_us(self, fn: Callable[[], Any], calls: int = 200) -> float:
         torch = self.torch
@@ -193,12 +204,12 @@ def _impls(torch: Any, shape: Shape, inp: dict, use_flashinfer: bool) -> dict[st
 
 
 def run(shapes: list[Shape], *, reps: int = 50, warmup: int = 5, use_flashinfer: bool = True,
-        check: bool = True, log: Callable[[str], None] = print) -> dict:  # fmt: skip
+        check: bool = True, log: Callable[[str], None] = print, flush: str = "read") -> dict:  # fmt: skip
     import torch
 
     import pagedattn
 
-    timer = Timer(torch, reps, warmup)
+    timer = Timer(torch, reps, warmup, flush)
     copy_gbs = copy_bandwidth_gbs(torch, timer)
     props = torch.cuda.get_device_properties(0)
     result: dict = {
@@ -208,6 +219,7 @@ def run(shapes: list[Shape], *, reps: int = 50, warmup: int = 5, use_flashinfer:
         "torch": torch.__version__,
         "pagedattn": pagedattn.__version__,
         "copy_bandwidth_gbs": copy_gbs,
+        "l2_flush": flush,
         "rows": [],
     }
     try:
@@ -295,6 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run")
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="evict L2 before each timed call by reading (default) or writing a buffer twice its size")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -310,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.shapes:
         keys = [k.strip() for k in args.shapes.split(",") if k.strip()]
         shapes = [s for s in shapes if any(k in s.name for k in keys)]
-    result = run(shapes, reps=args.reps, warmup=args.warmup, use_flashinfer=not args.no_flashinfer)
+    result = run(shapes, reps=args.reps, warmup=args.warmup, use_flashinfer=not args.no_flashinfer, flush=args.flush)
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
     print()

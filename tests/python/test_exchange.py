@@ -1,0 +1,171 @@
+"""The DLPack C exchange fast path (`__dlpack_c_exchange_api__`, torch >= 2.11).
+
+pagedattn.paged_attention / reshape_and_cache convert arrays in C++ through the
+producer's exchange table when every array offers one. These tests check that torch
+tensors take that path, that it computes the same results and raises the same errors
+as the general path (forced here with a NumPy-integer stream handle, which the fast path
+declines), and that it falls back when an array's type has no table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedattn
+from conftest import BF16, assert_close, make_problem
+from pagedattn import _core
+from pagedattn.reference import paged_attention_ref
+
+torch = pytest.importorskip("torch")
+if not _core.exchange_api_available(torch.empty(0)):
+    pytest.skip("this torch does not offer the DLPack C exchange API", allow_module_level=True)
+
+GENERAL = np.int64(0)  # a stream handle of a type the fast path declines: forces the general path
+
+
+def to_torch(a):
+    """NumPy (ml_dtypes bfloat16 included) -> torch CPU tensor with the same values."""
+    a = np.ascontiguousarray(a)
+    if BF16 is not None and a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def fast(out, q, kc, vc, bt, sl, **kw):
+    """The fast entry point itself: None means it declined."""
+    o = dict(scale=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, version=0,
+             partition_size=0, workspace=None, check_block_tables=False, stream=None)  # fmt: skip
+    o.update(kw)
+    return _core.paged_attention_exchange(out, q, kc, vc, bt, sl, o["scale"], o["alibi_slopes"], o["kv_cache_dtype"],
+                                          o["k_scale"], o["v_scale"], o["version"], o["partition_size"],
+                                          o["workspace"], o["check_block_tables"], o["stream"])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_fast_path_matches_reference(rng, dtype_name, layout):
+    if dtype_name == "bfloat16" and BF16 is None:
+        pytest.skip("needs ml_dtypes")
+    dt = getattr(torch, dtype_name)
+    npdt = BF16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    p = make_problem(rng, [1, 16, 17, 95], num_heads=8, num_kv_heads=2, layout=layout, alibi=True, dtype=npdt)
+    t = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache)]
+    bt, sl, al = to_torch(p.block_tables), to_torch(p.seq_lens), to_torch(p.alibi_slopes)
+    out = fast(None, *t, bt, sl, alibi_slopes=al, scale=0.3)
+    assert isinstance(out, torch.Tensor), "torch tensors must take the fast path"
+    assert out.dtype == dt and tuple(out.shape) == p.query.shape
+    ref = paged_attention_ref(*(x.float().numpy() for x in t), p.block_tables, p.seq_lens, scale=0.3,
+                              alibi_slopes=p.alibi_slopes)  # fmt: skip
+    assert_close(out.float().numpy(), ref, dtype_name)
+    # the public function gives the same bits as the fast entry point and the general path
+    pub = pagedattn.paged_attention(*t, bt, sl, alibi_slopes=al, scale=0.3)
+    gen = pagedattn.paged_attention(*t, bt, sl, alibi_slopes=al, scale=0.3, stream=GENERAL)
+    assert torch.equal(pub.view(torch.uint8), out.view(torch.uint8))
+    assert torch.equal(gen.view(torch.uint8), out.view(torch.uint8))
+
+
+def test_fast_path_out_strided_query_and_int_stream(rng):
+    p = make_problem(rng, [30, 2, 64], num_heads=4, num_kv_heads=2)
+    qkv = torch.randn(3, 12, 64)
+    q = qkv[:, 4:8]  # strided in the head dimension's parent
+    out = torch.full((3, 4, 64), float("nan"))
+    r = fast(out, q, *(to_torch(a) for a in p.args()[1:]), stream=0)
+    assert r is out
+    assert_close(out.numpy(), paged_attention_ref(q.numpy(), *p.args()[1:]), np.float32)
+
+
+def test_fast_path_declines_mixed_kinds(rng):
+    p = make_problem(rng, [20, 3])
+    args = [to_torch(a) for a in p.args()]
+    args[3] = p.block_tables  # a NumPy array among torch tensors
+    assert fast(None, *args) is None
+    out = pagedattn.paged_attention(*args)  # the general path serves the call
+    assert_close(np.asarray(out), paged_attention_ref(*p.args()), np.float32)
+    assert fast(None, *(to_torch(a) for a in p.args()), stream="not a handle") is None
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a: a.update(bt=a["bt"].long()), TypeError, "block_tables"),
+        (lambda a: a.update(sl=a["sl"][:1]), ValueError, "seq_lens"),
+        (lambda a: a.update(q=a["q"][..., :32]), ValueError, "head"),
+        (lambda a: a.update(kc=a["kc"].half()), TypeError, "key_cache"),
+        (lambda a: a.update(sl=torch.tensor([5, 10_000], dtype=torch.int32)), IndexError, "seq_lens"),
+    ],
+)
+def test_fast_path_errors_match_general_path(rng, mutate, exc, match):
+    p = make_problem(rng, [20, 3])
+    a = dict(zip(("q", "kc", "vc", "bt", "sl"), (to_torch(x) for x in p.args())))
+    mutate(a)
+    args = (a["q"], a["kc"], a["vc"], a["bt"], a["sl"])
+    out = torch.empty(tuple(p.query.shape))
+    with pytest.raises(exc, match=match) as fast_err:
+        pagedattn.paged_attention(*args, out=out)
+    with pytest.raises(exc, match=match) as gen_err:
+        pagedattn.paged_attention(*args, out=out, stream=GENERAL)
+    assert str(fast_err.value) == str(gen_err.value)
+
+
+def test_fast_path_num_seqs_mismatch_allocates_nothing(rng):
+    p = make_problem(rng, [20, 3])
+    args = [to_torch(a) for a in p.args()]
+    args[0] = torch.randn(5, 4, 64)  # 5 queries, 2 sequences
+    assert fast(None, *args) is None  # declined before allocating
+    with pytest.raises(ValueError, match=r"seq_lens: dimension 0 \(num_seqs, as in query\) must be 5, got 2"):
+        pagedattn.paged_attention(*args)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_reshape_and_cache_fast_path(rng, layout):
+    kshape, vshape = pagedattn.kv_cache_shape(6, 16, 2, 64, torch.float16, layout)
+    kc = torch.full(kshape, float("nan"), dtype=torch.float16)
+    vc = torch.full(vshape, float("nan"), dtype=torch.float16)
+    key, value = torch.randn(7, 2, 64, dtype=torch.float16), torch.randn(7, 2, 64, dtype=torch.float16)
+    slots = torch.from_numpy(rng.permutation(96)[:7].astype(np.int64))
+    slots[2] = -1  # padding
+    assert _core.reshape_and_cache_exchange(key, value, kc, vc, slots, "auto", 1.0, 1.0, None) is True
+    kc_ref = np.full(kshape, np.nan, np.float16)
+    vc_ref = np.full(vshape, np.nan, np.float16)
+    pagedattn.reference.reshape_and_cache_ref(key.numpy(), value.numpy(), kc_ref, vc_ref, slots.numpy())
+    np.testing.assert_array_equal(kc.numpy(), kc_ref)
+    np.testing.assert_array_equal(vc.numpy(), vc_ref)
+    # declined for a NumPy cache; the public function then writes through the general path
+    kc2 = np.full(kshape, np.nan, np.float16)
+    assert _core.reshape_and_cache_exchange(key, value, kc2, vc, slots, "auto", 1.0, 1.0, None) is False
+    pagedattn.reshape_and_cache(key, value, kc2, vc, slots)
+    np.testing.assert_array_equal(kc2, kc_ref)
+
+
+def test_reshape_and_cache_fast_path_errors(rng):
+    kshape, vshape = pagedattn.kv_cache_shape(2, 16, 2, 64, torch.float16)
+    kc, vc = torch.zeros(kshape, dtype=torch.float16), torch.zeros(vshape, dtype=torch.float16)
+    key = torch.randn(3, 2, 64, dtype=torch.float16)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        pagedattn.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1, 32]))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        pagedattn.reshape_and_cache(key, key, kc, vc, torch.tensor([0.0, 1.0, 2.0]))
+
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _core.with_cuda), reason="needs a CUDA device")
+
+
+@cuda
+def test_fast_path_runs_on_the_current_torch_stream(rng):
+    """The kernel must be ordered after work queued on the current (non-default) stream."""
+    dev = torch.device("cuda", 0)
+    p = make_problem(rng, [700, 33, 1], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
+    q_new = rng.standard_normal(p.query.shape).astype(np.float16)
+    q = to_torch(p.query).to(dev)
+    q_src = to_torch(q_new).to(dev)
+    kc, vc, bt, sl = (to_torch(a).to(dev) for a in p.args()[1:])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the copy below lands late on s
+        q.copy_(q_src)
+        out = pagedattn.paged_attention(q, kc, vc, bt, sl)
+    s.synchronize()
+    ref = paged_attention_ref(q_new, *p.args()[1:])
+    assert_close(out.cpu().numpy(), ref, np.float16)
