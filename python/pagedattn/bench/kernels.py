@@ -268,7 +268,8 @@ def table(result: dict) -> str:
         rows.setdefault(r["shape"], {})[r["impl"]] = r
     lines = [
         f"Device: {result['device']} ({result['sms']} SMs), {result['date']}, copy bandwidth "
-        f"{result['copy_bandwidth_gbs']:.0f} GB/s; torch {result['torch']}, flashinfer {result['flashinfer']}",
+        f"{result['copy_bandwidth_gbs']:.0f} GB/s; torch {result['torch']}, flashinfer {result['flashinfer']}; "
+        f"L2 evicted by {result.get('l2_flush', 'write')}ing",
         "",
         "| shape | KV MB | pagedattn vllm us | nhd us | GB/s (best) | % copy bw | host us | torch us | "
         "flashinfer tc us | flashinfer cc us | vs torch | vs flashinfer best |",

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One measuring round on the GPU machine, in one call: FlashInfer's JIT warms up in the
+# background while pagedattn builds and the GPU tests run; then host cost, the
+# small-shape sweep (with and without programmatic dependent launch) and the full
+# benchmark with FlashInfer. Everything lands in $OUT (at most 8 files).
+#   PA_TESTS="tests/python/..." PA_ROUND="build test host small bench" bash .ci/device_round.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+round=${PA_ROUND:-build test host small bench}
+has() { [[ " $round " == *" $1 "* ]]; }
+S="$OUT/round.txt"; : > "$S"
+LOGS=/tmp/pa-round-logs; mkdir -p "$LOGS"
+note() { echo "$*" | tee -a "$S"; }
+note "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) commit: $(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null) date: $(date -u +%F)"
+
+fi_pid=
+if has bench && ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$REPO"/.whl/*.whl > "$LOGS/fi_install.log" 2>&1
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 400 python3 "$REPO/.ci/fi_warm.py" > "$LOGS/fi_warm.log" 2>&1) &
+  fi_pid=$!
+fi
+
+if has build; then
+  t0=$(date +%s)
+  cxx=(); [ -x /usr/bin/g++ ] && cxx=(env CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++)  # see PERF_NOTES.md
+  timeout 300 "${cxx[@]}" python3 -m pip install --no-build-isolation --no-deps -v "$REPO" \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build > "$LOGS/build.log" 2>&1
+  rc=$?
+  note "build: rc=$rc in $(( $(date +%s) - t0 )) s"
+  if [ $rc -ne 0 ]; then tail -40 "$LOGS/build.log" | tee -a "$S"; exit 1; fi
+fi
+
+if has test; then
+  t0=$(date +%s)
+  (cd /tmp && ln -sfn "$REPO/tests" /tmp/tests && timeout ${PA_TEST_TIMEOUT:-240} python3 -X faulthandler -m pytest \
+     ${PA_TESTS:-tests/python} -q -ra -p no:cacheprovider --maxfail=30 > "$LOGS/tests.log" 2>&1)
+  note "tests: rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOGS/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$S"
+fi
+
+if has host; then
+  (cd /tmp && timeout 90 python3 -m pagedattn.bench.host_cost > "$LOGS/host_cost.log" 2>&1)
+  note "host cost: rc=$?"; cat "$LOGS/host_cost.log" >> "$S"
+fi
+
+if has small; then
+  (cd /tmp && timeout 200 python3 "$REPO/.ci/small_shapes.py" pdl > "$LOGS/small.log" 2>&1
+   PAGEDATTN_NO_PDL=1 timeout 60 python3 "$REPO/.ci/small_shapes.py" --quick no-pdl >> "$LOGS/small.log" 2>&1)
+  note "small shapes: rc=$?"; cat "$LOGS/small.log" >> "$S"
+fi
+
+if has bench; then
+  fi_flag=--no-flashinfer
+  if [ -n "$fi_pid" ]; then
+    wait $fi_pid
+    note "flashinfer warm-up: rc=$? $(tail -1 "$LOGS/fi_warm.log" | cut -c1-200)"
+    fi_flag=""
+  fi
+  t0=$(date +%s)
+  (cd /tmp && PYTHONPATH=/tmp/site timeout ${PA_BENCH_TIMEOUT:-240} python3 -m pagedattn.bench.kernels $fi_flag \
+     ${PA_BENCH_ARGS:-} --json "$OUT/bench.json" > "$LOGS/bench.log" 2>&1)
+  note "bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  sed -n '/^Device:/,$p' "$LOGS/bench.log" >> "$S"
+fi
+tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
+echo "==== round"; cat "$S"
