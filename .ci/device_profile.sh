@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# Profiles the decode kernel with Nsight Compute (clocks left alone). Logs in $OUT.
+# Profiles the decode kernels with Nsight Compute (clocks left alone). Logs in $OUT.
+#   PA_PROFILE="vllm:32:16384 vllm:1:16384" bash .ci/device_profile.sh
 set -u
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd /tmp
 CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 300 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
   -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
-for layout in vllm nhd; do
-  timeout 200 ncu --clock-control none -k regex:decode -s 2 -c 1 \
+for spec in ${PA_PROFILE:-vllm:32:16384 nhd:32:16384}; do
+  IFS=: read -r layout batch ctx <<< "$spec"
+  f="$OUT/ncu_${layout}_b${batch}_c${ctx}.txt"
+  timeout 200 ncu --clock-control none -k regex:decode_mma -s 1 -c 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     --section WarpStateStats --section SchedulerStats \
-    python3 "$REPO/.ci/profile_decode.py" $layout 32 16384 > "$OUT/ncu_$layout.txt" 2>&1
-  echo "ncu $layout rc=$?"
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+    python3 "$REPO/.ci/profile_decode.py" $layout $batch $ctx > "$f" 2>&1
+  echo "ncu $spec rc=$?"
+  # every kernel's duration (decode + reduce) of the same calls
+  timeout 100 ncu --clock-control none -k regex:decode --metrics gpu__time_duration.sum \
+    python3 "$REPO/.ci/profile_decode.py" $layout $batch $ctx 2>&1 | grep -E "decode_|gpu__time_duration" | tail -4 >> "$f"
 done
-grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Configuration|Dynamic Shared|Block Limit|Warp Cycles Per Issued|Issued Warp|No Eligible|Stall|Grid Size|Waves" "$OUT"/ncu_*.txt
+for f in "$OUT"/ncu_*.txt; do
+  echo "== $f"
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Issued Warp|No Eligible|Grid Size|Waves|issue_stalled|gpu__time|decode_" "$f" \
+    | grep -vE " 0$| 0\.0[0-9]*$" | sed 's/  */ /g'
+done
