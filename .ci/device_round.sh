@@ -8,7 +8,7 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-round=${PA_ROUND:-build test host small bench}
+round=${PA_ROUND:-build test sanitize host small bench}
 has() { [[ " $round " == *" $1 "* ]]; }
 S="$OUT/round.txt"; : > "$S"
 LOGS=/tmp/pa-round-logs; mkdir -p "$LOGS"
@@ -39,6 +39,15 @@ if has test; then
      ${PA_TESTS:-tests/python} -q -ra -p no:cacheprovider --maxfail=30 > "$LOGS/tests.log" 2>&1)
   note "tests: rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOGS/tests.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$S"
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    t0=$(date +%s)
+    (cd /tmp && timeout ${PA_SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+       python3 "$REPO/.ci/sanitize_sample.py" $tool > "$LOGS/sanitize_$tool.log" 2>&1)
+    note "sanitize $tool: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
+  done
 fi
 
 if has host; then

@@ -148,9 +148,41 @@ __global__ void decode_reduce_kernel(const __grid_constant__ DecodeKernelParams 
   sum = 0.f;
   for (int w = 0; w < nwarps; ++w) sum += red[w];
   const float inv = 1.f / sum;
+  __syncthreads();  // wts complete
+
+  // Weighted sum of the partial outputs: warp w takes partitions w, w + nwarps, ...; a
+  // lane takes 4 consecutive dims (D is a multiple of 8, rows are 16-byte aligned) so
+  // every load is a float4 and the loads of different partitions are independent.
+  constexpr int kMaxPieces = 2;  // float4 pieces per lane: D <= 256
+  float4 acc[kMaxPieces];
+#pragma unroll
+  for (int k = 0; k < kMaxPieces; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int pieces = D / 4;
+#pragma unroll 4
+  for (int i = warp; i < np; i += nwarps) {
+    const float w = wts[i];
+    const float4* row = reinterpret_cast<const float4*>(p.part_out + (row0 + i) * D);
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) {
+      const int pc = lane + 32 * k;
+      if (pc < pieces) {
+        const float4 v = row[pc];
+        acc[k].x += w * v.x;
+        acc[k].y += w * v.y;
+        acc[k].z += w * v.z;
+        acc[k].w += w * v.w;
+      }
+    }
+  }
+  __shared__ float4 per_warp[4][32 * kMaxPieces];  // blockDim.x == 128
+#pragma unroll
+  for (int k = 0; k < kMaxPieces; ++k)
+    if (lane + 32 * k < pieces) per_warp[warp][lane + 32 * k] = acc[k];
+  __syncthreads();
+  const float* flat = reinterpret_cast<const float*>(per_warp);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int i = 0; i < np; ++i) o += wts[i] * p.part_out[(row0 + i) * D + d];
+    for (int w = 0; w < nwarps; ++w) o += flat[w * 32 * kMaxPieces * 4 + d];
     out[d] = from_float<T>(o * inv);
   }
 }
@@ -213,13 +245,17 @@ struct DecodePlan {
 // Modelled time (us) of one decode with `np` partitions: waves of CTAs, each streaming
 // its partition at an even share of the memory bandwidth, plus a fixed cost per wave
 // (Q load, merge, stores) and one for the reduce launch.
+// A CTA alone streams at most ~12 bytes/ns (its warps' copies in flight over the memory
+// latency; measured on an H100 with few CTAs), so a small grid does not get the whole
+// bandwidth.
 double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double bytes_per_token) {
-  const double bw_per_cta = 3.2e6 / slots;  // bytes per us: ~3.2 TB/s shared by all slots
+  constexpr double kTotalBw = 3.2e6;  // bytes per us: ~3.2 TB/s shared by the running CTAs
+  constexpr double kCtaBw = 12.0e3;   // bytes per us one CTA can pull
   const std::int64_t psize = (ctx + np - 1) / np;
   const std::int64_t ctas = base * np;
   const std::int64_t waves = (ctas + slots - 1) / slots;
   const double busy = static_cast<double>(std::min<std::int64_t>(ctas, slots));
-  const double per_cta_bw = bw_per_cta * std::min(1.0, slots / busy);
+  const double per_cta_bw = std::min(kCtaBw, kTotalBw / busy);
   return static_cast<double>(waves) * (static_cast<double>(psize) * bytes_per_token / per_cta_bw + 1.0) +
          (np > 1 ? 2.0 : 0.0);
 }
@@ -257,8 +293,10 @@ DecodePlan make_plan(const DecodeParams& p) {
     const int max_np = static_cast<int>(std::max<std::int64_t>(min_np, std::min<std::int64_t>(ctx / 64, 512)));
     double best = INFINITY;
     psize = round_up(ctx);
+    // every warp of a CTA gets at least one chunk of its partition
+    const std::int64_t min_ps = static_cast<std::int64_t>(kPartitionAlign) * (plan.kernel.threads / 32);
     for (int np = min_np; np <= max_np; ++np) {
-      const std::int64_t ps = round_up((ctx + np - 1) / np);
+      const std::int64_t ps = std::max(min_ps, round_up((ctx + np - 1) / np));
       const int np_eff = static_cast<int>((ctx + ps - 1) / ps);
       if (np_eff < min_np) continue;
       const double t = model_us(base, ctx, np_eff, slots, bytes_per_token);

@@ -198,6 +198,28 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     if (B < 16) idB = t0 + 8 < tok_end ? checked(rawB, (t0 + 8) / B) : -1;
     bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
     if constexpr (L == CacheLayout::kVLLM) {
+      if (HEAD != 0 && B == 16) {
+        // A chunk is one whole block: the K slab [D/x, 16, x] and the V slab [D, 16] of
+        // (block, KV head) are each D*16*E contiguous bytes laid out exactly as the stage
+        // wants them (K swizzled on the way). A lane's token (K) and token half (V) are the
+        // same for all its pieces, so the masks and sizes are computed once per chunk.
+        const std::int64_t slab = static_cast<std::int64_t>(row_bytes) * 16;
+        const std::int64_t off = (static_cast<std::int64_t>(idA >= 0 ? idA : 0) * K + kvh) * slab;
+        const int t = lane & 15;
+        const bool okk = idA >= 0 && t0 + t < tok_end;
+        const char* ksrc = okk ? kc + off : kc;
+#pragma unroll
+        for (int pi = lane; pi < nck * 16; pi += 32)
+          cp_async16(ks + k_unit(pi >> 4, t) * 16, okk ? ksrc + pi * 16 : kc, okk ? 16 : 0);
+        constexpr int kPt16 = 16 / C::kE;      // tokens per 16-byte V piece
+        constexpr int kPieces = 16 / kPt16;    // V pieces per dim row
+        const int nvalid = idA >= 0 ? min(kPt16, max(0, tok_end - (t0 + (lane % kPieces) * kPt16))) : 0;
+        const char* vsrc = nvalid > 0 ? vc + off : vc;
+#pragma unroll
+        for (int pi = lane; pi < D * kPieces; pi += 32)
+          cp_async16(vs + pi * 16, nvalid > 0 ? vsrc + pi * 16 : vc, nvalid * C::kE);
+        return;
+      }
       // K: [N, K, D/x, B, x] -> piece (chunk j, token t) is 16 contiguous bytes.
       const int t = lane & 15;
       const int tok = t0 + t;
