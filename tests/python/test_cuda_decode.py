@@ -302,3 +302,34 @@ def test_repeatable(rng):
     a = pagedattn.paged_attention(*args)
     for _ in range(3):
         assert torch.equal(pagedattn.paged_attention(*args), a)
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (32, 2), (8, 8)])
+def test_fused_merge_and_reduce_kernel_agree(rng, heads):
+    """Partitioned form: merged in the decode kernel (pool scratch, one launch) and by the
+    reduce kernel (caller's workspace); lengths at partition edges, a bad block id, a bad
+    length, shapes alternating on one stream (the arrival counts must reset)."""
+    H, K = heads
+    P = 64
+    shapes = ([0, 1, P - 1, P, P + 1, 3 * P + 5, 7 * P], [9 * P + 1, 2, 2 * P])
+    for lens in shapes + shapes:
+        p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=128, dtype=NP_DTYPES["bfloat16"])
+        args = [to_torch(a) for a in p.args()]
+        ref = paged_attention_ref(*p.args())
+        fused = pagedattn.paged_attention(*args, version=2, partition_size=P)
+        S, M = p.block_tables.shape
+        ws = torch.empty(pagedattn.decode_workspace_size(S, H, K, 128, 16, M, "bfloat16", version=2,
+                                                          partition_size=P), dtype=torch.uint8, device=DEV)  # fmt: skip
+        two = pagedattn.paged_attention(*args, version=2, partition_size=P, workspace=ws)
+        assert_close(to_numpy(fused), ref, NP_DTYPES["bfloat16"], f"fused merge {lens}")
+        assert_close(to_numpy(two), ref, NP_DTYPES["bfloat16"], f"reduce kernel {lens}")
+    # invalid inputs in the fused form: NaN for the affected sequence only
+    p = make_problem(rng, [5 * P, 3 * P + 1, 2 * P], num_heads=H, num_kv_heads=K, head_size=128,
+                     dtype=NP_DTYPES["bfloat16"])  # fmt: skip
+    bt, sl = p.block_tables.copy(), p.seq_lens.copy()
+    bt[0, 7] = 10**6
+    sl[2] = -3
+    out = to_numpy(pagedattn.paged_attention(to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache),
+                                             to_torch(bt), to_torch(sl), version=2, partition_size=P))  # fmt: skip
+    assert np.isnan(out[0].astype(np.float32)).all() and np.isnan(out[2].astype(np.float32)).all()
+    assert_close(out[1:2], paged_attention_ref(*p.args())[1:2], NP_DTYPES["bfloat16"], "unaffected sequence")
