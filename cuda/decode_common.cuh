@@ -118,7 +118,7 @@ __device__ __forceinline__ bool fills_empty_output(const DecodeKernelParams& p, 
 // (weights exp2(m_i - M), normalised by the weighted exp-sums), as the reduce kernel does.
 // `scratch` is the CTA's dynamic shared memory, free again at this point.
 template <class T, int R>
-__device__ __forceinline__ void merge_if_last(const DecodeKernelParams& p, int s, int h0, int rows, int npw,
+__device__ __noinline__ void merge_if_last(const DecodeKernelParams& p, int s, int h0, int rows, int npw,
                                               unsigned char* scratch) {
   __shared__ int is_last;
   __threadfence();  // this CTA's partials are visible device-wide before it is counted

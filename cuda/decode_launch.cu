@@ -273,12 +273,12 @@ struct DecodePlan {
 // Modelled time (us) of one decode with `np` partitions: waves of CTAs, each streaming
 // its partition at an even share of the memory bandwidth, plus a fixed cost per wave
 // (Q load, merge, stores) and one for the reduce launch.
-// A CTA alone streams at most ~24 bytes/ns (its warps' copies in flight over the memory
+// A CTA alone streams at most ~12 bytes/ns (its warps' copies in flight over the memory
 // latency; measured on an H100 with few CTAs), so a small grid does not get the whole
 // bandwidth; the partitioned form pays ~3 us more for writing and merging partials.
 double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double bytes_per_token) {
   constexpr double kTotalBw = 3.2e6;  // bytes per us: ~3.2 TB/s shared by the running CTAs
-  constexpr double kCtaBw = 24.0e3;   // bytes per us one CTA can pull
+  constexpr double kCtaBw = 12.0e3;   // bytes per us one CTA can pull
   const std::int64_t psize = (ctx + np - 1) / np;
   const std::int64_t ctas = base * np;
   const std::int64_t waves = (ctas + slots - 1) / slots;
