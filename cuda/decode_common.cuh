@@ -102,6 +102,12 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
   }
 }
 
+// Compile-time knob for A/B builds: 0 leaves the fused merge out (the reduce kernel
+// always merges).
+#ifndef PAGEDATTN_FUSED_MERGE
+#define PAGEDATTN_FUSED_MERGE 1
+#endif
+
 // Where a CTA's result goes: `out` directly (single pass, or a fused launch in which this
 // sequence has a single partition with tokens), else the partial-result rows.
 __device__ __forceinline__ bool writes_out_directly(const DecodeKernelParams& p, int len) {

@@ -459,7 +459,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
     // and the merge weights fit in the kernel's shared memory; a caller's workspace keeps
     // the two-kernel form, whose scratch needs no zeroed state.
     const bool fits = static_cast<std::int64_t>(plan.kernel.rows) * (plan.num_partitions + 1) * 4 <= plan.kernel.smem;
-    if (!p.workspace && fits && !fused_off())
+    if (PAGEDATTN_FUSED_MERGE && !p.workspace && fits && !fused_off())
       k.counters = pool_counters(p.device_id, stream,
                                  static_cast<std::size_t>(p.num_seqs) * p.num_kv_heads * plan.tiles);
     const std::size_t need = plan.workspace_bytes();

@@ -216,8 +216,10 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   __syncthreads();
   const bool direct = writes_out_directly(p, len);
   store_rows<float, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad, direct);
+#if PAGEDATTN_FUSED_MERGE
   if (!direct && p.counters != nullptr)
     merge_if_last<float, C::kRows>(p, s, h0, rows, (len + p.partition_size - 1) / p.partition_size, smem);
+#endif
 }
 
 }  // namespace pagedattn::cuda_backend
