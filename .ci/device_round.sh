@@ -56,10 +56,8 @@ if has host; then
 fi
 
 if has small; then
-  (cd /tmp && timeout 200 python3 "$REPO/.ci/small_shapes.py" ${PA_SMALL_ARGS:-} fused > "$LOGS/small.log" 2>&1
-   PAGEDATTN_NO_FUSED_MERGE=1 timeout 60 python3 "$REPO/.ci/small_shapes.py" --quick reduce-kernel >> "$LOGS/small.log" 2>&1
-   PAGEDATTN_NO_FUSED_MERGE=1 PAGEDATTN_NO_PDL=1 timeout 60 python3 "$REPO/.ci/small_shapes.py" --quick reduce-no-pdl \
-     >> "$LOGS/small.log" 2>&1)
+  (cd /tmp && timeout 200 python3 "$REPO/.ci/small_shapes.py" ${PA_SMALL_ARGS:-} pdl > "$LOGS/small.log" 2>&1
+   PAGEDATTN_NO_PDL=1 timeout 60 python3 "$REPO/.ci/small_shapes.py" --quick no-pdl >> "$LOGS/small.log" 2>&1)
   note "small shapes: rc=$?"; cat "$LOGS/small.log" >> "$S"
 fi
 

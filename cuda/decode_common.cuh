@@ -69,10 +69,9 @@ __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int
 // Writes out (NP == 1) or the partition's partial results.
 template <class T, int W, int R, int DP>
 __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
-                                           const float* slab, int s, int h0, int rows, int part, bool bad,
-                                           bool direct) {
+                                           const float* slab, int s, int h0, int rows, int part, bool bad) {
   const int D = p.head_size;
-  const bool single = direct;
+  const bool single = p.part_out == nullptr;
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
     const int r = i / D, d = i % D;
     float mx = -INFINITY;
@@ -99,84 +98,6 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
         p.part_sum[row] = bad ? NAN : l;
       }
     }
-  }
-}
-
-// Compile-time knob for A/B builds: 0 leaves the fused merge out (the reduce kernel
-// always merges).
-#ifndef PAGEDATTN_FUSED_MERGE
-#define PAGEDATTN_FUSED_MERGE 1
-#endif
-
-// Where a CTA's result goes: `out` directly (single pass, or a fused launch in which this
-// sequence has a single partition with tokens), else the partial-result rows.
-__device__ __forceinline__ bool writes_out_directly(const DecodeKernelParams& p, int len) {
-  return p.part_out == nullptr || (p.counters != nullptr && len <= p.partition_size);
-}
-// Who writes the zeros / NaN of an empty or invalid sequence: every CTA in the single pass,
-// the partition-0 CTA in a fused launch, the reduce kernel otherwise.
-__device__ __forceinline__ bool fills_empty_output(const DecodeKernelParams& p, int part) {
-  return p.part_out == nullptr || (p.counters != nullptr && part == 0);
-}
-
-// Fused merge: after writing its partial rows, a CTA counts itself in; the last of the
-// `npw` CTAs with tokens for this (sequence, KV head, tile) merges all partials into `out`
-// (weights exp2(m_i - M), normalised by the weighted exp-sums), as the reduce kernel does.
-// `scratch` is the CTA's dynamic shared memory, free again at this point.
-template <class T, int R>
-__device__ __noinline__ void merge_if_last(const DecodeKernelParams& p, int s, int h0, int rows, int npw,
-                                              unsigned char* scratch) {
-  __shared__ int is_last;
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* c = p.counters + static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y;
-    const unsigned prev = atomicAdd(c, 1u);
-    is_last = prev == static_cast<unsigned>(npw - 1);
-    if (is_last) *c = 0u;  // all arrivals of this launch are in: ready for the next launch
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int D = p.head_size, NP = p.num_partitions;
-  float* wts = reinterpret_cast<float*>(scratch);  // [R][npw]
-  float* inv = wts + R * npw;                      // [R]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  for (int r = warp; r < rows; r += nwarps) {
-    const std::int64_t row0 = (static_cast<std::int64_t>(s) * p.num_heads + h0 + r) * NP;
-    float mx = -INFINITY;
-    for (int i = lane; i < npw; i += 32) mx = fmaxf(mx, __ldcg(p.part_max + row0 + i));
-    mx = warp_max(mx);
-    float l = 0.f;
-    for (int i = lane; i < npw; i += 32) {
-      const float w = exp2f(__ldcg(p.part_max + row0 + i) - mx);
-      wts[r * npw + i] = w;
-      l += w * __ldcg(p.part_sum + row0 + i);
-    }
-    l = warp_sum(l);
-    if (lane == 0) inv[r] = 1.f / l;
-  }
-  __syncthreads();
-  const int q4 = D / 4;  // D is a multiple of 8: float4 pieces of 16-byte aligned rows
-  for (int idx = threadIdx.x; idx < rows * q4; idx += blockDim.x) {
-    const int r = idx / q4, d = (idx - r * q4) * 4;
-    const std::int64_t row0 = (static_cast<std::int64_t>(s) * p.num_heads + h0 + r) * NP;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int i = 0; i < npw; ++i) {
-      const float w = wts[r * npw + i];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.part_out + (row0 + i) * D + d));
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-    }
-    const float f = inv[r];
-    T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h0 + r) * p.o_stride_head + d;
-    out[0] = from_float<T>(acc.x * f);
-    out[1] = from_float<T>(acc.y * f);
-    out[2] = from_float<T>(acc.z * f);
-    out[3] = from_float<T>(acc.w * f);
   }
 }
 

@@ -5,10 +5,8 @@
 // Partitioned (v2) scratch, per call: [S, H, NP, D] float partial outputs plus
 // [S, H, NP] max logits and exp-sums (decode_workspace_bytes). It comes from the
 // caller's `workspace` when given, else from a pool kept per (device, stream) that only
-// grows, outside graph capture. With the pool, the partials are merged inside the decode
-// kernel by the last CTA of each (sequence, KV head, tile) to finish (arrival counters in
-// a second per-stream pool), so a call is one launch; with a caller's workspace a reduce
-// kernel merges them (launched with programmatic dependent launch on sm_90). Inside capture a pool that is too small is an error
+// grows, outside graph capture. A reduce kernel merges the partials; on sm_90 it is
+// launched with programmatic dependent launch, so its launch overlaps the decode grid. Inside capture a pool that is too small is an error
 // (allocation would break the capture): pass `workspace`, or run the same shapes once
 // eagerly on that stream first. No call synchronises the host, except with
 // check_block_tables (which must read the device error record back).
@@ -110,31 +108,6 @@ void* pool_scratch(int device, cudaStream_t stream, std::size_t bytes) {
   const std::size_t want = std::max<std::size_t>(bytes + bytes / 4, std::size_t{4} << 20);
   check_cuda(cudaMalloc(&b.ptr, want), "cudaMalloc (paged_attention scratch)");
   b.bytes = want;
-  return b.ptr;
-}
-
-// Arrival counters of the fused merge, per (device, stream): zeroed when (re)allocated,
-// left zeroed by every launch. Null when the buffer would have to grow during capture
-// (the call then takes the reduce kernel instead).
-unsigned* pool_counters(int device, cudaStream_t stream, std::size_t count) {
-  struct Buffer {
-    unsigned* ptr = nullptr;
-    std::size_t count = 0;
-  };
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> pools;
-  std::lock_guard<std::mutex> lock(mu);
-  Buffer& b = pools[std::make_pair(device, stream)];
-  if (b.count >= count) return b.ptr;
-  if (stream_is_capturing(stream)) return nullptr;
-  if (b.ptr) check_cuda(cudaFree(b.ptr), "cudaFree");  // synchronises: in-flight users finish first
-  b.ptr = nullptr;
-  b.count = 0;
-  const std::size_t want = std::max<std::size_t>(count + count / 4, 4096);
-  check_cuda(cudaMalloc(reinterpret_cast<void**>(&b.ptr), want * sizeof(unsigned)),
-             "cudaMalloc (paged_attention counters)");
-  b.count = want;
-  check_cuda(cudaMemsetAsync(b.ptr, 0, want * sizeof(unsigned), stream), "cudaMemsetAsync");
   return b.ptr;
 }
 
@@ -275,7 +248,7 @@ struct DecodePlan {
 // (Q load, merge, stores) and one for the reduce launch.
 // A CTA alone streams at most ~12 bytes/ns (its warps' copies in flight over the memory
 // latency; measured on an H100 with few CTAs), so a small grid does not get the whole
-// bandwidth; the partitioned form pays ~3 us more for writing and merging partials.
+// bandwidth; the partitioned form pays ~2 us more for writing and merging partials.
 double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double bytes_per_token) {
   constexpr double kTotalBw = 3.2e6;  // bytes per us: ~3.2 TB/s shared by the running CTAs
   constexpr double kCtaBw = 12.0e3;   // bytes per us one CTA can pull
@@ -285,7 +258,7 @@ double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double b
   const double busy = static_cast<double>(std::min<std::int64_t>(ctas, slots));
   const double per_cta_bw = std::min(kCtaBw, kTotalBw / busy);
   return static_cast<double>(waves) * (static_cast<double>(psize) * bytes_per_token / per_cta_bw + 1.0) +
-         (np > 1 ? 3.0 : 0.0);
+         (np > 1 ? 2.0 : 0.0);
 }
 
 DecodePlan make_plan(const DecodeParams& p) {
@@ -345,15 +318,6 @@ DecodePlan make_plan(const DecodeParams& p) {
     plan.stat_bytes = rows * sizeof(float);
   }
   return plan;
-}
-
-// PAGEDATTN_NO_FUSED_MERGE=1 keeps the reduce kernel (for A/B measurements).
-bool fused_off() {
-  static const bool off = [] {
-    const char* e = std::getenv("PAGEDATTN_NO_FUSED_MERGE");
-    return e != nullptr && e[0] != '\0' && e[0] != '0';
-  }();
-  return off;
 }
 
 // The inputs of make_plan: everything host-known that the plan depends on.
@@ -455,13 +419,6 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   k.error = error_record(p.device_id);
 
   if (plan.partials) {
-    // Fused merge (no reduce kernel: one launch per call) when the scratch is the pool's
-    // and the merge weights fit in the kernel's shared memory; a caller's workspace keeps
-    // the two-kernel form, whose scratch needs no zeroed state.
-    const bool fits = static_cast<std::int64_t>(plan.kernel.rows) * (plan.num_partitions + 1) * 4 <= plan.kernel.smem;
-    if (PAGEDATTN_FUSED_MERGE && !p.workspace && fits && !fused_off())
-      k.counters = pool_counters(p.device_id, stream,
-                                 static_cast<std::size_t>(p.num_seqs) * p.num_kv_heads * plan.tiles);
     const std::size_t need = plan.workspace_bytes();
     char* ws = nullptr;
     if (p.workspace) {
@@ -489,7 +446,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
                               static_cast<std::size_t>(plan.kernel.smem), stream),
              "paged_attention: decode kernel launch");
   check_launch("paged_attention: decode kernel");
-  if (plan.partials && k.counters == nullptr) {
+  if (plan.partials) {
     const std::size_t smem = static_cast<std::size_t>(plan.num_partitions) * sizeof(float);
     const void* red = reduce_kernel(p.dtype);
     if (smem > 48 * 1024) {

@@ -122,12 +122,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
 
   const int len = load_seq_len(p, s);
   if (len < 0) {  // invalid length: NaN output (v1) or NaN partials (the reduce checks it too)
-    if (fills_empty_output(p, part)) fill_out<T>(p, s, h0, rows, NAN);
+    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, NAN);
     return;
   }
   const int tok_begin = part * p.partition_size;
   if (tok_begin >= len) {
-    if (len == 0 && fills_empty_output(p, part)) fill_out<T>(p, s, h0, rows, 0.f);  // len == 0: zeros
+    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, 0.f);  // len == 0: zeros
     return;
   }
   const int tok_end = min(len, tok_begin + p.partition_size);
@@ -468,12 +468,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     *reinterpret_cast<float2*>(r1) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
   }
   __syncthreads();
-  const bool direct = writes_out_directly(p, len);
-  store_rows<T, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad, direct);
-#if PAGEDATTN_FUSED_MERGE
-  if (!direct && p.counters != nullptr)
-    merge_if_last<T, C::kRows>(p, s, h0, rows, (len + p.partition_size - 1) / p.partition_size, smem);
-#endif
+  store_rows<T, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -44,11 +44,6 @@ struct DecodeKernelParams {
   float* part_max;     // [S, H, NP] partial max logit (base 2)
   float* part_sum;     // [S, H, NP] partial exp-sum
 
-  // Fused merge (partitioned form without the reduce kernel): arrival counts, one per
-  // (sequence, KV head, head tile) = per (blockIdx.z, blockIdx.y); zero between launches
-  // (the last arrival resets its count). Null: the reduce kernel merges.
-  unsigned* counters;
-
   DeviceErrorRecord* error;
 };
 

@@ -63,12 +63,12 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 
   const int len = load_seq_len(p, s);
   if (len < 0) {
-    if (fills_empty_output(p, part)) fill_out<float>(p, s, h0, rows, NAN);
+    if (p.part_out == nullptr) fill_out<float>(p, s, h0, rows, NAN);
     return;
   }
   const int tok_begin = part * p.partition_size;
   if (tok_begin >= len) {
-    if (len == 0 && fills_empty_output(p, part)) fill_out<float>(p, s, h0, rows, 0.f);
+    if (p.part_out == nullptr) fill_out<float>(p, s, h0, rows, 0.f);
     return;
   }
   const int tok_end = min(len, tok_begin + p.partition_size);
@@ -214,12 +214,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     }
   }
   __syncthreads();
-  const bool direct = writes_out_directly(p, len);
-  store_rows<float, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad, direct);
-#if PAGEDATTN_FUSED_MERGE
-  if (!direct && p.counters != nullptr)
-    merge_if_last<float, C::kRows>(p, s, h0, rows, (len + p.partition_size - 1) / p.partition_size, smem);
-#endif
+  store_rows<float, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -305,10 +305,9 @@ def test_repeatable(rng):
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (32, 2), (8, 8)])
-def test_fused_merge_and_reduce_kernel_agree(rng, heads):
-    """Partitioned form: merged in the decode kernel (pool scratch, one launch) and by the
-    reduce kernel (caller's workspace); lengths at partition edges, a bad block id, a bad
-    length, shapes alternating on one stream (the arrival counts must reset)."""
+def test_partitioned_pool_and_workspace_agree(rng, heads):
+    """Partitioned form with the pooled scratch and with a caller's workspace; lengths at
+    partition edges, a bad block id, a bad length, shapes alternating on one stream."""
     H, K = heads
     P = 64
     shapes = ([0, 1, P - 1, P, P + 1, 3 * P + 5, 7 * P], [9 * P + 1, 2, 2 * P])
@@ -321,9 +320,9 @@ def test_fused_merge_and_reduce_kernel_agree(rng, heads):
         ws = torch.empty(pagedattn.decode_workspace_size(S, H, K, 128, 16, M, "bfloat16", version=2,
                                                           partition_size=P), dtype=torch.uint8, device=DEV)  # fmt: skip
         two = pagedattn.paged_attention(*args, version=2, partition_size=P, workspace=ws)
-        assert_close(to_numpy(fused), ref, NP_DTYPES["bfloat16"], f"fused merge {lens}")
-        assert_close(to_numpy(two), ref, NP_DTYPES["bfloat16"], f"reduce kernel {lens}")
-    # invalid inputs in the fused form: NaN for the affected sequence only
+        assert_close(to_numpy(fused), ref, NP_DTYPES["bfloat16"], f"pooled scratch {lens}")
+        assert_close(to_numpy(two), ref, NP_DTYPES["bfloat16"], f"caller workspace {lens}")
+    # invalid inputs in the partitioned form: NaN for the affected sequence only
     p = make_problem(rng, [5 * P, 3 * P + 1, 2 * P], num_heads=H, num_kv_heads=K, head_size=128,
                      dtype=NP_DTYPES["bfloat16"])  # fmt: skip
     bt, sl = p.block_tables.copy(), p.seq_lens.copy()
