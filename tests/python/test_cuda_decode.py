@@ -315,12 +315,12 @@ def test_partitioned_pool_and_workspace_agree(rng, heads):
         p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=128, dtype=NP_DTYPES["bfloat16"])
         args = [to_torch(a) for a in p.args()]
         ref = paged_attention_ref(*p.args())
-        fused = pagedattn.paged_attention(*args, version=2, partition_size=P)
+        pooled = pagedattn.paged_attention(*args, version=2, partition_size=P)
         S, M = p.block_tables.shape
         ws = torch.empty(pagedattn.decode_workspace_size(S, H, K, 128, 16, M, "bfloat16", version=2,
                                                           partition_size=P), dtype=torch.uint8, device=DEV)  # fmt: skip
         two = pagedattn.paged_attention(*args, version=2, partition_size=P, workspace=ws)
-        assert_close(to_numpy(fused), ref, NP_DTYPES["bfloat16"], f"pooled scratch {lens}")
+        assert_close(to_numpy(pooled), ref, NP_DTYPES["bfloat16"], f"pooled scratch {lens}")
         assert_close(to_numpy(two), ref, NP_DTYPES["bfloat16"], f"caller workspace {lens}")
     # invalid inputs in the partitioned form: NaN for the affected sequence only
     p = make_problem(rng, [5 * P, 3 * P + 1, 2 * P], num_heads=H, num_kv_heads=K, head_size=128,
