@@ -1,7 +1,9 @@
 """The decode attention and cache-write API (framework-neutral wrappers of the core).
 
 All validation happens in the compiled core; this layer only picks the output array,
-the CUDA stream and the bfloat16 bridge for NumPy.
+the CUDA stream and the bfloat16 bridge for NumPy. When every array's type offers the
+DLPack C exchange API (``__dlpack_c_exchange_api__``, torch 2.11 and later), the compiled
+core converts the arrays, allocates the output and finds the current stream itself.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def paged_attention(
     ``alibi_slopes`` float32 [H] adds slope[h] * (t - seq_len + 1) to token t's logit.
     A sequence of length 0 yields zeros. Returns ``out`` when given, else a new array
     of the query's kind, dtype and device.
+
+    ``stream``: an int handle or an object with ``__cuda_stream__`` (torch / CuPy streams
+    too); by default the current stream of the arrays' framework on their device.
 
     fp8 caches: ``kv_cache_dtype`` "fp8_e4m3" / "fp8_e5m2" with uint8 caches, real
     value = stored value * ``k_scale`` / ``v_scale``. ``version`` (CUDA) forces the
