@@ -34,6 +34,30 @@ nb::tuple shape_tuple(const Shape& s, int n) {
   return nb::tuple(l);
 }
 
+// The scalar options of a decode call (the array options are set by the caller).
+DecodeOptions decode_options(std::optional<float> scale, const std::string& kv_cache_dtype, float k_scale,
+                             float v_scale, int version, int partition_size, bool check_block_tables, void* stream) {
+  DecodeOptions opt;
+  opt.scale = scale;
+  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  opt.k_scale = k_scale;
+  opt.v_scale = v_scale;
+  opt.version = version;
+  opt.partition_size = partition_size;
+  opt.check_block_tables = check_block_tables;
+  opt.stream = stream;
+  return opt;
+}
+
+// The stream of an exchange-path call: an int handle as given, else (None) the current
+// stream the producer reports for `like`'s device. False: the general path must run.
+bool exchange_stream(nb::handle stream, const exchange::Api* api, const TensorView& like, void** out) {
+  if (stream.is_none()) return exchange::current_stream(api, like, out);
+  if (!PyLong_CheckExact(stream.ptr())) return false;
+  *out = to_stream(nb::cast<std::uintptr_t>(stream));
+  return true;
+}
+
 // The arguments of one decode call, converted to views once.
 struct DecodeCall {
   TensorView out, query, key_cache, value_cache, block_tables, seq_lens, alibi, ws;
@@ -48,8 +72,9 @@ struct DecodeCall {
         key_cache(view_arg(key_cache_, bf16_mask, 2)),
         value_cache(view_arg(value_cache_, bf16_mask, 3)),
         block_tables(to_view(block_tables_)),
-        seq_lens(to_view(seq_lens_)) {
-    opt.scale = scale;
+        seq_lens(to_view(seq_lens_)),
+        opt(decode_options(scale, kv_cache_dtype, k_scale, v_scale, version, partition_size, check_block_tables,
+                           to_stream(stream))) {
     if (alibi_slopes) {
       alibi = to_view(*alibi_slopes);
       opt.alibi_slopes = &alibi;
@@ -58,13 +83,6 @@ struct DecodeCall {
       ws = to_view(*workspace);
       opt.workspace = &ws;
     }
-    opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-    opt.k_scale = k_scale;
-    opt.v_scale = v_scale;
-    opt.version = version;
-    opt.partition_size = partition_size;
-    opt.check_block_tables = check_block_tables;
-    opt.stream = to_stream(stream);
   }
   DecodeCall(const DecodeCall&) = delete;
 };
@@ -102,9 +120,10 @@ nb::object decode_exchange(nb::handle out, nb::handle query, nb::handle key_cach
     if (!a.add(h.ptr())) return nb::none();
     *idx = n++;
   }
-  if (!stream.is_none() && !PyLong_CheckExact(stream.ptr())) return nb::none();
-
   const TensorView& q = a[kQ];
+  void* handle = nullptr;
+  if (!exchange_stream(stream, a.api(kQ), q, &handle)) return nb::none();
+
   nb::object result;
   TensorView o;
   if (i_out >= 0) {
@@ -121,24 +140,10 @@ nb::object decode_exchange(nb::handle out, nb::handle query, nb::handle key_cach
     if (fresh == nullptr) return nb::none();
     result = nb::steal(fresh);
   }
-  void* handle = nullptr;
-  if (stream.is_none()) {
-    if (!exchange::current_stream(a.api(kQ), q, &handle)) return nb::none();
-  } else {
-    handle = to_stream(nb::cast<std::uintptr_t>(stream));
-  }
-
-  DecodeOptions opt;
-  opt.scale = scale;
+  DecodeOptions opt =
+      decode_options(scale, kv_cache_dtype, k_scale, v_scale, version, partition_size, check_block_tables, handle);
   if (i_alibi >= 0) opt.alibi_slopes = &a[i_alibi];
   if (i_ws >= 0) opt.workspace = &a[i_ws];
-  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-  opt.k_scale = k_scale;
-  opt.v_scale = v_scale;
-  opt.version = version;
-  opt.partition_size = partition_size;
-  opt.check_block_tables = check_block_tables;
-  opt.stream = handle;
   {
     nb::gil_scoped_release release;
     paged_attention(o, q, a[kK], a[kV], a[kBT], a[kSL], opt);
@@ -153,14 +158,8 @@ bool cache_write_exchange(nb::handle key, nb::handle value, nb::handle key_cache
   exchange::Arrays a;
   for (nb::handle h : {key, value, key_cache, value_cache, slot_mapping})
     if (!a.add(h.ptr())) return false;
-  if (a.read_only(2) || a.read_only(3)) return false;
-  if (!stream.is_none() && !PyLong_CheckExact(stream.ptr())) return false;
   void* handle = nullptr;
-  if (stream.is_none()) {
-    if (!exchange::current_stream(a.api(0), a[0], &handle)) return false;
-  } else {
-    handle = to_stream(nb::cast<std::uintptr_t>(stream));
-  }
+  if (a.read_only(2) || a.read_only(3) || !exchange_stream(stream, a.api(0), a[0], &handle)) return false;
   CacheWriteOptions opt;
   opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
   opt.k_scale = k_scale;
