@@ -12,7 +12,7 @@ for v in ${PA_VARIANTS:-base= w4s3=-DPAGEDATTN_MMA_STAGES=3}; do
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build-$name \
     -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/build_$name.log" 2>&1 \
     || { echo "build $name failed"; tail -5 "$OUT/build_$name.log"; continue; }
-  for rep in 1 2; do
+  for rep in $(seq ${PA_TUNE_REPS:-2}); do
     timeout 120 python3 "$REPO/.ci/tune_decode.py" "$name" 2>&1 | tee -a "$OUT/tune.txt"
   done
 done

@@ -14,7 +14,7 @@ a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
 b = torch.empty_like(a)
 copy_gbs = 2 * a.numel() / (time_us(functools.partial(b.copy_, a), reps=10) * 1e-6) / 1e9
 del a, b
-for layout in ("vllm",):
+for layout in ("vllm", "nhd"):
     for batch, ctx in ((1, 16384), (32, 16384), (128, 4096), (8, 16384), (32, 1024)):
         q, kc, vc, bt, sl = gqa_case(layout, batch, ctx)
         prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=q.new_empty(q.shape))
