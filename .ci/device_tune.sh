@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds the decode with several compile-time settings and times each in the same call.
 #   PA_VARIANTS="base= w4s3=-DPAGEDATTN_MMA_STAGES=3" bash .ci/device_tune.sh
-# (name=flags pairs; the flags go to CMAKE_CUDA_FLAGS). Logs in $OUT.
+# (name=flags pairs, several flags joined by %; they go to CMAKE_CUDA_FLAGS). Logs in $OUT.
 set -u
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd /tmp
 for v in ${PA_VARIANTS:-base= w4s3=-DPAGEDATTN_MMA_STAGES=3}; do
-  name=${v%%=*}; flags=${v#*=}
+  name=${v%%=*}; flags=${v#*=}; flags=${flags//%/ }
   CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 240 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build-$name \
     -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/build_$name.log" 2>&1 \

@@ -1,7 +1,7 @@
 """Small decode shapes on the GPU: forced single pass, partition sizes, and both L2
 eviction modes of the benchmark timer, in one process (GPU machine only).
 
-    python3 .ci/small_shapes.py [--quick] [tag]
+    python3 .ci/small_shapes.py [--quick] [--shapes=sub1,sub2] [--psizes=64,128] [tag]
 """
 
 import sys
@@ -18,6 +18,8 @@ SHAPES = [  # name, S, H, K, D, dtype, ctx
     ("gqa b1 x4096", 1, 32, 8, 128, torch.bfloat16, 4096),
     ("gqa b1 x16384", 1, 32, 8, 128, torch.bfloat16, 16384),
     ("gqa b8 x1024", 8, 32, 8, 128, torch.bfloat16, 1024),
+    ("gqa b8 x16384", 8, 32, 8, 128, torch.bfloat16, 16384),
+    ("gqa b128 x1024", 128, 32, 8, 128, torch.bfloat16, 1024),
 ]
 BS = 16
 
@@ -36,13 +38,18 @@ def case(S, H, K, D, dt, ctx):
 
 def main():
     quick = "--quick" in sys.argv
+    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    only = [k for k in opts.get("shapes", "").split(",") if k]
+    psizes = [int(x) for x in opts.get("psizes", "32,64,128,256,512").split(",")]
     tag = " ".join(a for a in sys.argv[1:] if not a.startswith("--"))
     timers = {m: Timer(torch, 40, 5, m) for m in (("read",) if quick else ("read", "write"))}
     for name, S, H, K, D, dt, ctx in SHAPES:
+        if only and not any(k in name for k in only):
+            continue
         q, kc, vc, bt, sl = case(S, H, K, D, dt, ctx)
         out = torch.empty_like(q)
         ref = pagedattn.paged_attention(q, kc, vc, bt, sl, version=1)
-        configs = [(0, 0)] if quick else [(0, 0), (1, 0)] + [(2, p) for p in (32, 64, 128, 256, 512)]
+        configs = [(0, 0)] if quick else [(0, 0), (1, 0)] + [(2, p) for p in psizes]
         for version, psize in configs:
             if psize and psize >= ctx:
                 continue

@@ -33,14 +33,6 @@ namespace pagedattn::cuda_backend {
 #ifndef PAGEDATTN_MMA_STAGES
 #define PAGEDATTN_MMA_STAGES 2
 #endif
-// Experiments: whole-block copies for the nhd layout; a minimum of CTAs per SM for head
-// sizes up to 128 (caps the registers so that many fit).
-#ifndef PAGEDATTN_NHD_FAST
-#define PAGEDATTN_NHD_FAST 0
-#endif
-#ifndef PAGEDATTN_MMA_MIN_BLOCKS
-#define PAGEDATTN_MMA_MIN_BLOCKS 1
-#endif
 
 template <class T, Fp8 F, int HEAD, CacheLayout L>
 struct MmaDecodeConfig {
@@ -107,8 +99,7 @@ __device__ __forceinline__ int slot_token(int nt, int col) {
 __device__ __forceinline__ int k_unit(int j, int t) { return j * 16 + (t ^ ((2 * j) & 6)); }
 
 template <class T, Fp8 F, int HEAD, CacheLayout L>
-__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads,
-                                  (HEAD != 0 && HEAD <= 128) ? PAGEDATTN_MMA_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
   using C = MmaDecodeConfig<T, F, HEAD, L>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -278,21 +269,6 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads,
               ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j8 * 8;
           cp_async8(ks + k_unit(j8 >> 1, t) * 16 + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
           cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);
-        }
-        return;
-      }
-      if (PAGEDATTN_NHD_FAST && HEAD != 0 && B == 16 && (32 % nck) == 0 && nck * 16 == row_bytes) {
-        // A chunk is one whole block; a lane's 16-byte column j is fixed, its tokens step
-        // by 32 / nck rows of K * D * E bytes: one 64-bit base per chunk, then additions.
-        const int j = lane % nck, tstep = 32 / nck;
-        const std::int64_t pitch = static_cast<std::int64_t>(K) * row_bytes;
-        const std::int64_t off = (static_cast<std::int64_t>(idA >= 0 ? idA : 0) * 16 * K + kvh) * row_bytes + j * 16;
-        const char* kb = kc + off;
-        const char* vb = vc + off;
-        for (int t = lane / nck; t < 16; t += tstep) {
-          const bool ok = idA >= 0 && t0 + t < tok_end;
-          cp_async16(ks + k_unit(j, t) * 16, ok ? kb + t * pitch : kc, ok ? 16 : 0);
-          cp_async16(vs + t * C::kVPitch + j * 16, ok ? vb + t * pitch : vc, ok ? 16 : 0);
         }
         return;
       }
