@@ -27,7 +27,6 @@ __device__ __forceinline__ int load_block_id(const DecodeKernelParams& p, int s,
   return id;
 }
 
-// Length of sequence s, or -1 (recorded) when outside [0, M * B].
 // Programmatic dependent launch (sm_90 and later; no-ops before): a decode kernel lets
 // the reduce kernel queued behind it start launching at once, and the reduce kernel
 // waits for the decode grid to complete (memory included) before it reads the partials.
@@ -42,6 +41,7 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
+// Length of sequence s, or -1 (recorded) when outside [0, M * B].
 __device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
   const int len = __ldg(p.seq_lens + s);
   if (len < 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {

@@ -5,11 +5,12 @@
 // Partitioned (v2) scratch, per call: [S, H, NP, D] float partial outputs plus
 // [S, H, NP] max logits and exp-sums (decode_workspace_bytes). It comes from the
 // caller's `workspace` when given, else from a pool kept per (device, stream) that only
-// grows, outside graph capture. A reduce kernel merges the partials; on sm_90 it is
-// launched with programmatic dependent launch, so its launch overlaps the decode grid. Inside capture a pool that is too small is an error
+// grows, outside graph capture. Inside capture a pool that is too small is an error
 // (allocation would break the capture): pass `workspace`, or run the same shapes once
-// eagerly on that stream first. No call synchronises the host, except with
-// check_block_tables (which must read the device error record back).
+// eagerly on that stream first. A reduce kernel merges the partials; on sm_90 it is
+// launched with programmatic dependent launch, so its launch overlaps the decode grid.
+// No call synchronises the host, except with check_block_tables (which must read the
+// device error record back).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -154,7 +155,8 @@ __global__ void decode_reduce_kernel(const __grid_constant__ DecodeKernelParams 
   // Weighted sum of the partial outputs: warp w takes partitions w, w + nwarps, ...; a
   // lane takes 4 consecutive dims (D is a multiple of 8, rows are 16-byte aligned) so
   // every load is a float4 and the loads of different partitions are independent.
-  constexpr int kMaxPieces = 2;  // float4 pieces per lane: D <= 256
+  constexpr int kMaxPieces = 2;  // float4 pieces per lane
+  static_assert(32 * kMaxPieces * 4 >= supported::kCudaMaxHeadSize, "the reduce covers every CUDA head size");
   float4 acc[kMaxPieces];
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
