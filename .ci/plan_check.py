@@ -5,11 +5,11 @@ to check the planner's choice against its alternatives (GPU machine only).
 """
 
 import torch
+from small_shapes import case
 
 import pagedattn
 from pagedattn.bench.kernels import Timer
 
-BS = 16
 CASES = [  # name, S, H, K, D, dtype, ctx, [(version, partition_size), ...]
     ("gqa b32 x4096", 32, 32, 8, 128, torch.bfloat16, 4096, [(0, 0), (1, 0), (2, 1376)]),
     ("gqa b32 x16384", 32, 32, 8, 128, torch.bfloat16, 16384, [(0, 0), (2, 976), (2, 5472), (1, 0)]),
@@ -22,14 +22,7 @@ CASES = [  # name, S, H, K, D, dtype, ctx, [(version, partition_size), ...]
 def main():
     timer = Timer(torch, 20, 3, "read")
     for name, S, H, K, D, dt, ctx, configs in CASES:
-        per = -(-ctx // BS)
-        nb = S * per
-        ks, vs = pagedattn.kv_cache_shape(nb, BS, K, D, dt, "vllm")
-        kc = torch.randn(ks, dtype=dt, device="cuda")
-        vc = torch.randn(vs, dtype=dt, device="cuda")
-        q = torch.randn(S, H, D, dtype=dt, device="cuda")
-        bt = torch.randperm(nb, device="cuda", dtype=torch.int32).reshape(S, per)
-        sl = torch.full((S,), ctx, dtype=torch.int32, device="cuda")
+        q, kc, vc, bt, sl = case(S, H, K, D, dt, ctx)
         out = torch.empty_like(q)
         for version, psize in configs:
             prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=version, partition_size=psize)
