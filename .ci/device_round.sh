@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One measuring round on the GPU machine, in one call: FlashInfer's JIT warms up in the
-# background while pagedattn builds and the GPU tests run; then host cost, the
-# small-shape sweep (with and without programmatic dependent launch) and the full
-# benchmark with FlashInfer. Everything lands in $OUT (at most 8 files).
-#   PA_TESTS="tests/python/..." PA_ROUND="build test host small bench" bash .ci/device_round.sh
+# One round on the GPU machine, in one call: FlashInfer's JIT warms up in the background
+# while pagedattn builds and the GPU tests run; then the sanitizers on the kernel sample,
+# host cost, the small-shape sweep (with and without programmatic dependent launch), the
+# full benchmark with FlashInfer and the user-facing commands. Stages are chosen with
+# PA_ROUND; everything lands in $OUT (at most 8 files).
+#   PA_TESTS="tests/python/..." PA_ROUND="build test sanitize host small bench cli" bash .ci/device_round.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -42,7 +43,7 @@ if has test; then
 fi
 
 if has sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in ${PA_SAN_TOOLS:-memcheck racecheck initcheck}; do
     t0=$(date +%s)
     (cd /tmp && timeout ${PA_SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
        python3 "$REPO/.ci/sanitize_sample.py" $tool > "$LOGS/sanitize_$tool.log" 2>&1)
@@ -73,6 +74,13 @@ if has bench; then
      ${PA_BENCH_ARGS:-} --json "$OUT/bench.json" > "$LOGS/bench.log" 2>&1)
   note "bench: rc=$? in $(( $(date +%s) - t0 )) s"
   sed -n '/^Device:/,$p' "$LOGS/bench.log" >> "$S"
+fi
+if has cli; then  # the user-facing commands on the GPU
+  (cd /tmp && timeout 120 python3 -m pagedattn --device cuda > "$LOGS/serve.log" 2>&1)
+  note "python -m pagedattn --device cuda: rc=$? $(grep -E '^served|^checked' "$LOGS/serve.log" | tr '\n' ' ')"
+  (cd /tmp && timeout 200 python3 -m pagedattn bench --quick --no-flashinfer --json "$LOGS/bench_cli.json" \
+     --plot "$LOGS/bench_cli.png" > "$LOGS/bench_cli.log" 2>&1)
+  note "python -m pagedattn bench --quick --plot: rc=$? $(tail -2 "$LOGS/bench_cli.log" | tr '\n' ' ' | cut -c1-300)"
 fi
 tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
 echo "==== round"; cat "$S"
