@@ -41,14 +41,26 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
-// Length of sequence s, or -1 (recorded) when outside [0, M * B].
-__device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
-  const int len = __ldg(p.seq_lens + s);
+// A read-only 32-bit load the compiler may not move: issued where it is written, so
+// independent loads at a kernel's start overlap instead of waiting on each other.
+__device__ __forceinline__ int ldg_now(const std::int32_t* ptr) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
+// `len` if it is a valid length of sequence s (inside [0, M * B]), else -1 (recorded).
+__device__ __forceinline__ int checked_seq_len(const DecodeKernelParams& p, int s, int len) {
   if (len < 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
     if (threadIdx.x == 0) record_error(p.error, 2, s, -1, len);
     return -1;
   }
   return len;
+}
+
+// Length of sequence s, or -1 (recorded) when invalid.
+__device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
+  return checked_seq_len(p, s, __ldg(p.seq_lens + s));
 }
 
 // Writes `rows` heads of [D] outputs starting at head h0 with one value (0 or NaN).

@@ -112,80 +112,82 @@ void* pool_scratch(int device, cudaStream_t stream, std::size_t bytes) {
   return b.ptr;
 }
 
+// One CTA per (sequence, query head). Warp w merges partitions w, w + 4, ... with an
+// online softmax (each partition's max logit, exp-sum and output row are loaded
+// together, so a warp's loads are independent of each other and of the merge); the four
+// warp states are then merged through shared memory. A lane holds 4 consecutive dims of
+// the row per float4 (D is a multiple of 8, rows are 16-byte aligned).
 template <class T>
-__global__ void decode_reduce_kernel(const __grid_constant__ DecodeKernelParams p) {
-  extern __shared__ float wts[];  // [NP]
-  __shared__ float red[32];
-  wait_for_primary_grid();  // launched early (sm_90+): the partials are complete after this
+__global__ void __launch_bounds__(128) decode_reduce_kernel(const __grid_constant__ DecodeKernelParams p) {
+  constexpr int kWarps = 4;
+  constexpr int kMaxPieces = 2;  // float4 pieces per lane
+  static_assert(32 * kMaxPieces * 4 >= supported::kCudaMaxHeadSize, "the reduce covers every CUDA head size");
+  __shared__ float4 warp_out[kWarps][32 * kMaxPieces];
+  __shared__ float warp_m[kWarps], warp_l[kWarps];
   const int h = blockIdx.x, s = blockIdx.y;
   const int D = p.head_size;
+  const int len = __ldg(p.seq_lens + s);  // an input: readable before the decode grid ends
+  wait_for_primary_grid();  // launched early (sm_90+): the partials are complete after this
   T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
-  const int len = __ldg(p.seq_lens + s);
   if (len <= 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
     for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = from_float<T>(len == 0 ? 0.f : NAN);
     return;
   }
   const int np = (len + p.partition_size - 1) / p.partition_size;
   const std::int64_t row0 = (static_cast<std::int64_t>(s) * p.num_heads + h) * p.num_partitions;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pieces = D / 4;
 
-  float mx = -INFINITY;
-  for (int i = threadIdx.x; i < np; i += blockDim.x) mx = fmaxf(mx, p.part_max[row0 + i]);
-  mx = warp_max(mx);
-  if (lane == 0) red[warp] = mx;
-  __syncthreads();
-  mx = -INFINITY;
-  for (int w = 0; w < nwarps; ++w) mx = fmaxf(mx, red[w]);
-  __syncthreads();
-
-  float sum = 0.f;
-  for (int i = threadIdx.x; i < np; i += blockDim.x) {
-    const float w = exp2f(p.part_max[row0 + i] - mx);
-    wts[i] = w;
-    sum += w * p.part_sum[row0 + i];
-  }
-  sum = warp_sum(sum);
-  if (lane == 0) red[warp] = sum;
-  __syncthreads();
-  sum = 0.f;
-  for (int w = 0; w < nwarps; ++w) sum += red[w];
-  const float inv = 1.f / sum;
-  __syncthreads();  // wts complete
-
-  // Weighted sum of the partial outputs: warp w takes partitions w, w + nwarps, ...; a
-  // lane takes 4 consecutive dims (D is a multiple of 8, rows are 16-byte aligned) so
-  // every load is a float4 and the loads of different partitions are independent.
-  constexpr int kMaxPieces = 2;  // float4 pieces per lane
-  static_assert(32 * kMaxPieces * 4 >= supported::kCudaMaxHeadSize, "the reduce covers every CUDA head size");
+  float m = -INFINITY, l = 0.f;
   float4 acc[kMaxPieces];
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int pieces = D / 4;
 #pragma unroll 4
-  for (int i = warp; i < np; i += nwarps) {
-    const float w = wts[i];
+  for (int i = warp; i < np; i += kWarps) {
+    const float pm = p.part_max[row0 + i];
+    const float ps = p.part_sum[row0 + i];
     const float4* row = reinterpret_cast<const float4*>(p.part_out + (row0 + i) * D);
+    float4 v[kMaxPieces];
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k)
+      v[k] = lane + 32 * k < pieces ? row[lane + 32 * k] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float mn = fmaxf(m, pm);
+    const float a = m == mn ? 1.f : exp2f(m - mn);  // also covers m == mn == -inf
+    const float b = pm == mn ? 1.f : exp2f(pm - mn);
+    m = mn;
+    l = l * a + ps * b;
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) {
-      const int pc = lane + 32 * k;
-      if (pc < pieces) {
-        const float4 v = row[pc];
-        acc[k].x += w * v.x;
-        acc[k].y += w * v.y;
-        acc[k].z += w * v.z;
-        acc[k].w += w * v.w;
-      }
+      acc[k].x = acc[k].x * a + v[k].x * b;
+      acc[k].y = acc[k].y * a + v[k].y * b;
+      acc[k].z = acc[k].z * a + v[k].z * b;
+      acc[k].w = acc[k].w * a + v[k].w * b;
     }
   }
-  __shared__ float4 per_warp[4][32 * kMaxPieces];  // blockDim.x == 128
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k)
-    if (lane + 32 * k < pieces) per_warp[warp][lane + 32 * k] = acc[k];
+    if (lane + 32 * k < pieces) warp_out[warp][lane + 32 * k] = acc[k];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
   __syncthreads();
-  const float* flat = reinterpret_cast<const float*>(per_warp);
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w]);
+  float f[kWarps], sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    f[w] = warp_m[w] == -INFINITY ? 0.f : exp2f(warp_m[w] - mx);  // warps without partitions: 0
+    sum += f[w] * warp_l[w];
+  }
+  const float inv = 1.f / sum;
+  const float* flat = reinterpret_cast<const float*>(warp_out);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int w = 0; w < nwarps; ++w) o += flat[w * 32 * kMaxPieces * 4 + d];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      if (f[w] != 0.f) o += f[w] * flat[w * 32 * kMaxPieces * 4 + d];
     out[d] = from_float<T>(o * inv);
   }
 }
@@ -453,20 +455,13 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
              "paged_attention: decode kernel launch");
   check_launch("paged_attention: decode kernel");
   if (plan.partials) {
-    const std::size_t smem = static_cast<std::size_t>(plan.num_partitions) * sizeof(float);
     const void* red = reduce_kernel(p.dtype);
-    if (smem > 48 * 1024) {
-      static std::mutex mu;
-      std::lock_guard<std::mutex> lock(mu);
-      check_cuda(cudaFuncSetAttribute(red, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                 "cudaFuncSetAttribute");
-    }
     // Programmatic dependent launch where the device has it: the reduce kernel is set up
     // while the decode grid runs and waits for it on the device (no launch gap).
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs));
     cfg.blockDim = dim3(128);
-    cfg.dynamicSmemBytes = smem;
+    cfg.dynamicSmemBytes = 0;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

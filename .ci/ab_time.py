@@ -1,0 +1,40 @@
+"""Times every benchmark shape (vllm layout, automatic plan) with the pagedattn found on
+sys.path; run once per build with the same arguments to compare builds side by side
+(GPU machine only).
+
+    python3 .ci/ab_time.py TAG [--shapes=sub1,sub2] [--reps=30]
+"""
+
+import sys
+
+import torch
+from small_shapes import case
+
+import pagedattn
+from pagedattn.bench.kernels import SHAPES, Timer
+
+
+def main():
+    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    tag = " ".join(a for a in sys.argv[1:] if not a.startswith("--"))
+    only = [k for k in opts.get("shapes", "").split(",") if k]
+    timer = Timer(torch, int(opts.get("reps", 30)), 3, "read")
+    for sh in SHAPES:
+        if only and not any(k in sh.name for k in only):
+            continue
+        dt = getattr(torch, sh.dtype)
+        q, kc, vc, bt, sl = case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+        out = torch.empty_like(q)
+        prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
+        ref = pagedattn.paged_attention(q, kc, vc, bt, sl, version=1)
+        prep.run()
+        torch.cuda.synchronize()
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 2e-2, f"{sh.name}: max abs diff {err} against the single pass"
+        print(f"{tag:8s} {sh.name:22s} {timer.gpu_us(prep.run):9.2f} us", flush=True)
+        del q, kc, vc, out, ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

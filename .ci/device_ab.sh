@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A/B round on the GPU machine: builds the working tree ("new") and a second source tree
+# ("base", PA_AB_BASE, default .ab/base) side by side, runs the GPU decode tests on "new",
+# then times every benchmark shape with each build in turn (base, new, base, new) and the
+# planner sweep with "new". Results in $OUT/ab.txt.
+#   PA_AB_BASE=.ab/base PA_AB_STAGES="test ab sweep" bash .ci/device_ab.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+BASE=$(cd "$REPO/${PA_AB_BASE:-.ab/base}" && pwd)
+stages=${PA_AB_STAGES:-test ab sweep}
+has() { [[ " $stages " == *" $1 "* ]]; }
+S="$OUT/ab.txt"; : > "$S"
+note() { echo "$*" | tee -a "$S"; }
+note "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader) date: $(date -u +%F)"
+build() {  # name, source
+  CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 400 python3 -m pip install --no-build-isolation --no-deps \
+    --target "/tmp/ab-$1" "$2" -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir="/tmp/ab-build-$1" \
+    > "$OUT/build_$1.log" 2>&1
+  echo "build $1: rc=$?"
+}
+t0=$(date +%s)
+build new "$REPO" > /tmp/ab-new.rc &
+if has ab; then build base "$BASE" > /tmp/ab-base.rc & fi
+wait
+note "$(cat /tmp/ab-*.rc | tr '\n' ' ') in $(( $(date +%s) - t0 )) s"
+grep -q "rc=0" /tmp/ab-new.rc || { tail -30 "$OUT/build_new.log"; exit 1; }
+cd /tmp
+if has test; then
+  t0=$(date +%s)
+  ln -sfn "$REPO/tests" /tmp/tests
+  PYTHONPATH=/tmp/ab-new timeout ${PA_TEST_TIMEOUT:-200} python3 -m pytest ${PA_TESTS:-tests/python/test_cuda_decode.py} \
+    -q -p no:cacheprovider --maxfail=20 > "$OUT/tests.log" 2>&1
+  note "tests: rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 | tee -a "$S"
+fi
+if has ab; then
+  for round in 1 2; do
+    for b in base new; do
+      PYTHONPATH=/tmp/ab-$b:$REPO/.ci timeout 150 python3 "$REPO/.ci/ab_time.py" "$b$round" ${PA_AB_ARGS:-} >> "$S" 2>&1
+    done
+  done
+  python3 - "$S" <<'PY' | tee -a "$S"
+import collections, statistics, sys
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) >= 4 and f[-1] == "us" and f[0][:-1] in ("base", "new"):
+        t[" ".join(f[1:-2])][f[0][:-1]].append(float(f[-2]))
+print("shape                   base us    new us   new/base")
+for k, v in t.items():
+    if v["base"] and v["new"]:
+        b, n = statistics.mean(v["base"]), statistics.mean(v["new"])
+        print(f"{k:22s} {b:9.2f} {n:9.2f}   {n / b:.3f}")
+PY
+fi
+if has sweep; then
+  PYTHONPATH=/tmp/ab-new:$REPO/.ci timeout 300 python3 "$REPO/.ci/plan_sweep.py" ${PA_SWEEP_ARGS:-} >> "$S" 2>&1
+  note "sweep: rc=$?"
+fi
+echo "==== ab"; cat "$S"

@@ -1,0 +1,48 @@
+"""Times each benchmark shape (vllm layout) at the automatic plan, single pass and a
+range of partition counts, to fit the planner's model to measurements (GPU machine only).
+
+    python3 .ci/plan_sweep.py [--shapes=sub1,sub2] [--nps=1,2,3,4]
+"""
+
+import sys
+
+import torch
+from small_shapes import case
+
+import pagedattn
+from pagedattn.bench.kernels import SHAPES, Timer
+
+NPS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+
+
+def main():
+    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    only = [k for k in opts.get("shapes", "").split(",") if k]
+    nps = [int(x) for x in opts["nps"].split(",")] if "nps" in opts else NPS
+    timer = Timer(torch, 15, 2, "read")
+    for sh in SHAPES:
+        if only and not any(k in sh.name for k in only):
+            continue
+        dt = getattr(torch, sh.dtype)
+        q, kc, vc, bt, sl = case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+        out = torch.empty_like(q)
+        auto = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
+        row = [f"auto {timer.gpu_us(auto.run):.1f}"]
+        seen = set()
+        for np_ in (1,) + tuple(nps):
+            ps = max(64, -(-(-(-sh.context // np_)) // 16) * 16)
+            if np_ > 1 and (ps >= sh.context or ps in seen):
+                continue
+            seen.add(ps)
+            if np_ == 1:
+                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=1)
+            else:
+                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=2, partition_size=ps)
+            row.append(f"{-(-sh.context // ps) if np_ > 1 else 1}:{ps}={timer.gpu_us(prep.run):.1f}")
+        print(f"{sh.name:22s} " + " ".join(row), flush=True)
+        del q, kc, vc, out
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
