@@ -32,6 +32,10 @@ def main():
         err = (out.float() - ref.float()).abs().max().item()
         assert err < 2e-2, f"{sh.name}: max abs diff {err} against the single pass"
         print(f"{tag:8s} {sh.name:22s} {timer.gpu_us(prep.run):9.2f} us", flush=True)
+        if sh.name.startswith("opt-30b"):  # the floor: the same launch with every length 0
+            sl.zero_()
+            prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
+            print(f"{tag:8s} {'opt-30b lengths 0':22s} {timer.gpu_us(prep.run):9.2f} us", flush=True)
         del q, kc, vc, out, ref
         torch.cuda.empty_cache()
 

@@ -36,23 +36,27 @@ if has test; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 | tee -a "$S"
 fi
 if has ab; then
+  # PA_AB_RUNS: tag=build[+ENV=value], timed in turn, twice
+  runs=${PA_AB_RUNS:-base=base new=new}
   for round in 1 2; do
-    for b in base new; do
-      PYTHONPATH=/tmp/ab-$b:$REPO/.ci timeout 150 python3 "$REPO/.ci/ab_time.py" "$b$round" ${PA_AB_ARGS:-} >> "$S" 2>&1
+    for r in $runs; do
+      tag=${r%%=*}; spec=${r#*=}; b=${spec%%+*}; envs=(); [[ $spec == *+* ]] && envs=(${spec#*+})
+      env "${envs[@]}" PYTHONPATH=/tmp/ab-$b:$REPO/.ci timeout 150 python3 "$REPO/.ci/ab_time.py" "$tag$round" \
+        ${PA_AB_ARGS:-} >> "$S" 2>&1
     done
   done
-  python3 - "$S" <<'PY' | tee -a "$S"
+  python3 - "$S" $(for r in $runs; do echo ${r%%=*}; done) <<'PY' | tee -a "$S"
 import collections, statistics, sys
+tags = sys.argv[2:]
 t = collections.defaultdict(lambda: collections.defaultdict(list))
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) >= 4 and f[-1] == "us" and f[0][:-1] in ("base", "new"):
+    if len(f) >= 4 and f[-1] == "us" and f[0][:-1] in tags:
         t[" ".join(f[1:-2])][f[0][:-1]].append(float(f[-2]))
-print("shape                   base us    new us   new/base")
+print(f"{'shape':22s} " + " ".join(f"{x:>9s}" for x in tags) + "   " + " ".join(f"{x}/{tags[0]}" for x in tags[1:]))
 for k, v in t.items():
-    if v["base"] and v["new"]:
-        b, n = statistics.mean(v["base"]), statistics.mean(v["new"])
-        print(f"{k:22s} {b:9.2f} {n:9.2f}   {n / b:.3f}")
+    m = [statistics.mean(v[x]) if v[x] else float("nan") for x in tags]
+    print(f"{k:22s} " + " ".join(f"{x:9.2f}" for x in m) + "   " + " ".join(f"{x / m[0]:.3f}" for x in m[1:]))
 PY
 fi
 if has sweep; then

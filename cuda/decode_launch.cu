@@ -42,6 +42,16 @@ const DeviceInfo& device_info(int device) {
              "cudaDeviceGetAttribute");
   check_cuda(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device),
              "cudaDeviceGetAttribute");
+  // Peak DRAM rate = 2 transfers per memory clock (kHz) x bus width; copies measure about
+  // 90% of it (H100 SXM: 3.35 TB/s peak, 3.03 measured; H200: 4.8, 4.28).
+  int mem_khz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    cudaGetLastError();
+    mem_khz = bus_bits = 0;
+  }
+  const double peak = 2.0 * mem_khz * 1e3 * (bus_bits / 8.0) / 1e6;  // bytes per us
+  info.mem_bw = peak > 1e5 ? 0.9 * peak : 3.0e6;                       // unknown: ~3 TB/s
   return cache.emplace(device, info).first->second;
 }
 
@@ -247,23 +257,34 @@ struct DecodePlan {
   std::size_t workspace_bytes() const { return partials ? align_up(out_bytes) + 2 * align_up(stat_bytes) : 0; }
 };
 
-// Modelled time (us) of one decode with `np` partitions: waves of CTAs, each streaming
-// its partition at an even share of the memory bandwidth, plus a fixed cost per wave
-// (Q load, merge, stores) and one for the reduce launch.
-// A CTA alone streams at most ~12 bytes/ns (its warps' copies in flight over the memory
-// latency; measured on an H100 with few CTAs), so a small grid does not get the whole
-// bandwidth; the partitioned form pays ~2 us more for writing and merging partials.
-double model_us(std::int64_t base, std::int64_t ctx, int np, int slots, double bytes_per_token) {
-  constexpr double kTotalBw = 3.2e6;  // bytes per us: ~3.2 TB/s shared by the running CTAs
-  constexpr double kCtaBw = 12.0e3;   // bytes per us one CTA can pull
-  const std::int64_t psize = (ctx + np - 1) / np;
-  const std::int64_t ctas = base * np;
-  const std::int64_t waves = (ctas + slots - 1) / slots;
-  const double busy = static_cast<double>(std::min<std::int64_t>(ctas, slots));
-  const double per_cta_bw = std::min(kCtaBw, kTotalBw / busy);
-  return static_cast<double>(waves) * (static_cast<double>(psize) * bytes_per_token / per_cta_bw + 1.0) +
-         (np > 1 ? 2.0 : 0.0);
-}
+// Modelled time (us) of one decode whose grid is `ctas` CTAs, each streaming
+// `cta_bytes`. Memory is shared evenly by the active multiprocessors; the busiest one
+// runs c = ceil(ctas / sms) CTAs, at most `slots` at a time, and one CTA pulls at most
+// ~26 bytes/ns (its warps' copies in flight over the memory latency), so a grid with
+// fewer CTAs than multiprocessors does not get the whole bandwidth. Fixed costs: ~1.5 us
+// per CTA of the busiest multiprocessor (its start and final merge are not fully hidden)
+// and ~1 us per round of resident CTAs; when CTAs run in several rounds they end at
+// staggered times and the last ones drain alone (~0.2 CTA lifetimes at the per-CTA
+// rate); the partitioned form pays ~3 us for the reduce plus the partials written and
+// read back. The constants were fitted to partition sweeps of every benchmark shape on
+// an H100 and an H200 (.ci/plan_sweep.py): the plan is within 2% of the best measured.
+struct PlanModel {
+  int sms, slots;
+  double bw;          // bytes per us for the whole device
+  double part_bytes;  // partial-result bytes one CTA writes (and the reduce reads)
+  double us(std::int64_t ctas, double cta_bytes, bool partials) const {
+    constexpr double kCtaBw = 26.0e3;  // bytes per us one CTA can pull
+    constexpr double kCtaUs = 1.5, kRoundUs = 1.0, kTail = 0.2, kReduceUs = 3.0;
+    const std::int64_t c = (ctas + sms - 1) / sms;
+    const double active = static_cast<double>(std::min<std::int64_t>(ctas, sms));
+    const double rate = std::min(static_cast<double>(std::min<std::int64_t>(c, slots)) * kCtaBw, bw / active);
+    double t = static_cast<double>(c) * (cta_bytes / rate + kCtaUs) +
+               kRoundUs * static_cast<double>((c + slots - 1) / slots);
+    if (c > slots) t += kTail * cta_bytes / kCtaBw;
+    if (partials) t += kReduceUs + 2.0 * static_cast<double>(ctas) * part_bytes / bw;
+    return t;
+  }
+};
 
 DecodePlan make_plan(const DecodeParams& p) {
   DecodePlan plan;
@@ -275,7 +296,6 @@ DecodePlan make_plan(const DecodeParams& p) {
   }();
   plan.dependent_launch = !pdl_off && device_info(p.device_id).cc_major >= 9;
   const int slots_per_sm = prepare_kernel(plan.kernel, p.device_id);
-  const int slots = device_info(p.device_id).num_sms * slots_per_sm;
   const int G = p.num_heads / p.num_kv_heads;
   plan.tiles = (G + plan.kernel.rows - 1) / plan.kernel.rows;
   const std::int64_t base = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles;
@@ -294,6 +314,9 @@ DecodePlan make_plan(const DecodeParams& p) {
   } else {
     const double bytes_per_token =
         2.0 * p.head_size * static_cast<double>(cache_elem_size(p.dtype, p.kv_cache_dtype));
+    const DeviceInfo& dev = device_info(p.device_id);
+    const PlanModel model{dev.num_sms, slots_per_sm, dev.mem_bw,
+                          4.0 * std::min(G, plan.kernel.rows) * (p.head_size + 2)};
     const int min_np = p.version == 2 && ctx > kPartitionAlign ? 2 : 1;
     const int max_np = static_cast<int>(std::max<std::int64_t>(min_np, std::min<std::int64_t>(ctx / 64, 512)));
     double best = INFINITY;
@@ -306,10 +329,10 @@ DecodePlan make_plan(const DecodeParams& p) {
     const int np_limit = ctx <= 4 * min_ps ? min_np : max_np;
     for (int np = min_np; np <= np_limit; ++np) {
       const std::int64_t ps = std::max(min_ps, round_up((ctx + np - 1) / np));
-      const int np_eff = static_cast<int>((ctx + ps - 1) / ps);
+      const std::int64_t np_eff = (ctx + ps - 1) / ps;
       if (np_eff < min_np) continue;
-      const double t = model_us(base, ctx, np_eff, slots, bytes_per_token);
-      if (t < best * 0.98) {  // prefer fewer partitions on near ties
+      const double t = model.us(base * np_eff, static_cast<double>(std::min(ps, ctx)) * bytes_per_token, np_eff > 1);
+      if (t < best * 0.99) {  // prefer fewer partitions on near ties
         best = t;
         psize = ps;
       }

@@ -332,3 +332,22 @@ def test_partitioned_pool_and_workspace_agree(rng, heads):
                                              to_torch(bt), to_torch(sl), version=2, partition_size=P))  # fmt: skip
     assert np.isnan(out[0].astype(np.float32)).all() and np.isnan(out[2].astype(np.float32)).all()
     assert_close(out[1:2], paged_attention_ref(*p.args())[1:2], NP_DTYPES["bfloat16"], "unaffected sequence")
+
+
+def _planned_partitions(S, H, K, D, M):
+    """Partitions the automatic plan picks, read back from the scratch it asks for."""
+    n = pagedattn.decode_workspace_size(S, H, K, D, 16, M, "bfloat16")
+    return round(n / (S * H * (D + 2) * 4)) if n else 1
+
+
+def test_automatic_plan_fills_the_gpu():
+    """A batch of one with a long context is spread over (about) every multiprocessor;
+    a batch that already fills the GPU, and the seeds' short contexts, run single pass."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ctx in (16384, 32768):
+        np_ = _planned_partitions(1, 32, 8, 128, ctx // 16)
+        assert 0.75 * sms <= 8 * np_ <= 8 * sms, (ctx, np_, sms)
+    assert _planned_partitions(1, 32, 8, 128, 4096 // 16) * 8 >= 0.5 * sms
+    assert _planned_partitions(4 * sms, 32, 8, 128, 4096 // 16) == 1
+    assert _planned_partitions(5, 12, 12, 64, 13) == 1  # OPT-125m 5 x 196
+    assert _planned_partitions(1, 56, 56, 128, 13) == 1  # OPT-30B 1 x 204
