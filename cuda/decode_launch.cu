@@ -404,6 +404,19 @@ std::size_t decode_workspace_bytes(const DecodeParams& p) {
   return make_plan(p).workspace_bytes();
 }
 
+DecodePlanInfo decode_plan_info(const DecodeParams& p) {
+  DeviceGuard guard(p.device_id);
+  const DecodePlan plan = make_plan(p);
+  DecodePlanInfo info;
+  info.num_partitions = plan.num_partitions;
+  info.partition_size = plan.partition_size;
+  info.reduce_kernel = plan.partials;
+  info.head_tiles = plan.tiles;
+  info.ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles * plan.num_partitions;
+  info.workspace_bytes = plan.workspace_bytes();
+  return info;
+}
+
 void paged_attention(const DecodeParams& p, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);

@@ -21,6 +21,8 @@ int device_count() noexcept;
 // Device scratch bytes paged_attention(p) needs (0 when it runs single-pass). Reads
 // only host-known sizes of p (never seq_lens or the arrays' contents).
 std::size_t decode_workspace_bytes(const DecodeParams& p);
+// The plan paged_attention(p) would launch.
+DecodePlanInfo decode_plan_info(const DecodeParams& p);
 // One launch over every array and pair (cuda/cache_kernels.cu).
 void copy_blocks(const CopyBlocksParams& p, void* stream);
 // cudaMemcpyAsync per run of consecutive pairs; mapping in host memory.

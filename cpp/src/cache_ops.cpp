@@ -149,23 +149,25 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
   cuda_backend::swap_blocks(p, stream);
 }
 
-std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
+namespace {
+// Validates a workspace / plan query (`what` names the function in errors).
+DecodeParams decode_query_params(const DecodeWorkspaceQuery& q, const char* what) {
   if (q.num_seqs < 0 || q.num_heads <= 0 || q.num_kv_heads <= 0 || q.head_size <= 0 || q.block_size <= 0 ||
       q.max_blocks_per_seq < 0)
-    fail<InvalidArgument>("decode_workspace_size: sizes must be positive (num_seqs, max_blocks_per_seq >= 0)");
+    fail<InvalidArgument>(what, ": sizes must be positive (num_seqs, max_blocks_per_seq >= 0)");
   if (q.num_heads % q.num_kv_heads != 0)
-    fail<InvalidArgument>("decode_workspace_size: num_heads ", q.num_heads, " must be a multiple of num_kv_heads ",
+    fail<InvalidArgument>(what, ": num_heads ", q.num_heads, " must be a multiple of num_kv_heads ",
                           q.num_kv_heads);
   if (!supported::is_dtype(q.dtype))
-    fail<TypeMismatch>("decode_workspace_size: dtype ", dtype_name(q.dtype), " is not supported; expected one of ",
+    fail<TypeMismatch>(what, ": dtype ", dtype_name(q.dtype), " is not supported; expected one of ",
                        supported::dtypes_str());
   detail::check_cuda_sizes(q.head_size, q.block_size);
   detail::check_decode_choice(q.version, q.partition_size);
   if (!built_with_cuda())
-    fail<NotSupported>("decode_workspace_size: this build of pagedattn has no CUDA backend (built without nvcc)");
+    fail<NotSupported>(what, ": this build of pagedattn has no CUDA backend (built without nvcc)");
   const int devices = cuda_backend::device_count();
   if (q.device_id < 0 || q.device_id >= devices)
-    fail<NotSupported>("decode_workspace_size: device ", q.device_id, " is not a usable CUDA device (",
+    fail<NotSupported>(what, ": device ", q.device_id, " is not a usable CUDA device (",
                        devices == 0 ? std::string("no CUDA device or driver is available")
                                     : detail::concat(devices, " device(s) visible"),
                        ")");
@@ -182,7 +184,16 @@ std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
   p.version = q.version;
   p.partition_size = q.partition_size;
   p.device_id = q.device_id;
-  return cuda_backend::decode_workspace_bytes(p);
+  return p;
+}
+}  // namespace
+
+std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
+  return cuda_backend::decode_workspace_bytes(decode_query_params(q, "decode_workspace_size"));
+}
+
+DecodePlanInfo decode_plan(const DecodeWorkspaceQuery& q) {
+  return cuda_backend::decode_plan_info(decode_query_params(q, "decode_plan"));
 }
 
 }  // namespace pagedattn

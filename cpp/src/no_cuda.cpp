@@ -18,6 +18,9 @@ void reshape_and_cache(const CacheWriteParams&, void*) {
 std::size_t decode_workspace_bytes(const DecodeParams&) {
   fail<NotSupported>("decode_workspace_size: this build of pagedattn has no CUDA backend (built without nvcc)");
 }
+DecodePlanInfo decode_plan_info(const DecodeParams&) {
+  fail<NotSupported>("decode_plan: this build of pagedattn has no CUDA backend (built without nvcc)");
+}
 void copy_blocks(const CopyBlocksParams&, void*) {
   fail<NotSupported>("copy_blocks: this build of pagedattn has no CUDA backend (built without nvcc)");
 }

@@ -22,7 +22,7 @@ import numpy as np
 from . import _core
 from ._arrays import as_core, dtype_name, is_cuda, resolve_stream
 
-__all__ = ["copy_blocks", "swap_blocks", "decode_workspace_size"]
+__all__ = ["copy_blocks", "swap_blocks", "decode_workspace_size", "decode_plan"]
 
 
 def _mapping(block_mapping: Any, like: Any) -> Any:
@@ -100,6 +100,39 @@ def decode_workspace_size(
     """
     return int(
         _core.decode_workspace_size(
+            int(num_seqs), int(num_heads), int(num_kv_heads), int(head_size), int(block_size),
+            int(max_blocks_per_seq), dtype_name(dtype), kv_cache_dtype, layout, int(version),
+            int(partition_size), int(device),
+        )  # fmt: skip
+    )
+
+
+def decode_plan(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    max_blocks_per_seq: int,
+    dtype: Any,
+    *,
+    kv_cache_dtype: str = "auto",
+    layout: str = "vllm",
+    version: int = 0,
+    partition_size: int = 0,
+    device: int = 0,
+) -> dict:
+    """How ``paged_attention`` runs on CUDA for these shapes and options.
+
+    Same arguments and errors as :func:`decode_workspace_size`. Returns a dict:
+    ``num_partitions`` and ``partition_size`` (tokens) along the context,
+    ``reduce_kernel`` (True: partial results go to scratch and a second kernel merges
+    them), ``head_tiles`` (CTAs per KV head along its query heads), ``ctas`` (the decode
+    grid) and ``workspace_bytes``.
+    Like the workspace size it depends only on host-known sizes, never on ``seq_lens``.
+    """
+    return dict(
+        _core.decode_plan(
             int(num_seqs), int(num_heads), int(num_kv_heads), int(head_size), int(block_size),
             int(max_blocks_per_seq), dtype_name(dtype), kv_cache_dtype, layout, int(version),
             int(partition_size), int(device),

@@ -334,20 +334,26 @@ def test_partitioned_pool_and_workspace_agree(rng, heads):
     assert_close(out[1:2], paged_attention_ref(*p.args())[1:2], NP_DTYPES["bfloat16"], "unaffected sequence")
 
 
-def _planned_partitions(S, H, K, D, M):
-    """Partitions the automatic plan picks, read back from the scratch it asks for."""
-    n = pagedattn.decode_workspace_size(S, H, K, D, 16, M, "bfloat16")
-    return round(n / (S * H * (D + 2) * 4)) if n else 1
-
-
 def test_automatic_plan_fills_the_gpu():
     """A batch of one with a long context is spread over (about) every multiprocessor;
-    a batch that already fills the GPU, and the seeds' short contexts, run single pass."""
+    a batch that already fills the GPU, and the seeds' short contexts, use no scratch."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for ctx in (16384, 32768):
-        np_ = _planned_partitions(1, 32, 8, 128, ctx // 16)
-        assert 0.75 * sms <= 8 * np_ <= 8 * sms, (ctx, np_, sms)
-    assert _planned_partitions(1, 32, 8, 128, 4096 // 16) * 8 >= 0.5 * sms
-    assert _planned_partitions(4 * sms, 32, 8, 128, 4096 // 16) == 1
-    assert _planned_partitions(5, 12, 12, 64, 13) == 1  # OPT-125m 5 x 196
-    assert _planned_partitions(1, 56, 56, 128, 13) == 1  # OPT-30B 1 x 204
+
+    def plan(S, H, K, D, ctx, **kw):
+        return pagedattn.decode_plan(S, H, K, D, 16, -(-ctx // 16), "bfloat16", **kw)
+
+    for ctx in (4096, 16384, 32768):
+        info = plan(1, 32, 8, 128, ctx)
+        assert 0.45 * sms <= info["ctas"] <= 4 * sms, (ctx, info, sms)
+        assert info["ctas"] == 8 * info["num_partitions"] and info["head_tiles"] == 1
+        assert info["num_partitions"] * info["partition_size"] >= ctx
+        assert info["reduce_kernel"] and info["workspace_bytes"] >= 32 * info["num_partitions"] * 130 * 4
+    big = plan(4 * sms, 32, 8, 128, 4096)
+    assert big["num_partitions"] == 1 and big["workspace_bytes"] == 0 and big["ctas"] == 32 * sms
+    for S, H, K, D, ctx in ((5, 12, 12, 64, 196), (1, 56, 56, 128, 204)):  # the seeds' shapes
+        assert not plan(S, H, K, D, ctx)["reduce_kernel"]
+    forced = plan(1, 32, 8, 128, 4096, version=2, partition_size=512)
+    assert forced["reduce_kernel"] and forced["num_partitions"] == 8 and forced["partition_size"] == 512
+    assert plan(1, 32, 8, 128, 4096, version=1)["num_partitions"] == 1
+    assert plan(1, 32, 8, 128, 4096)["workspace_bytes"] == pagedattn.decode_workspace_size(
+        1, 32, 8, 128, 16, 256, "bfloat16")  # fmt: skip

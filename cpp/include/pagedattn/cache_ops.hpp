@@ -56,6 +56,18 @@ struct DecodeWorkspaceQuery {
 };
 std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q);
 
+// How paged_attention will run on CUDA for these shapes and options (same inputs and
+// errors as decode_workspace_size): for people tuning or studying the kernels.
+struct DecodePlanInfo {
+  int num_partitions = 1;   // CTAs along the context per (sequence, KV head, head tile)
+  int partition_size = 0;   // tokens per partition
+  bool reduce_kernel = false;  // partials written to scratch and merged by a second kernel
+  int head_tiles = 1;       // CTAs per KV head along its query heads
+  std::int64_t ctas = 0;    // CTAs of the decode grid
+  std::size_t workspace_bytes = 0;
+};
+DecodePlanInfo decode_plan(const DecodeWorkspaceQuery& q);
+
 // Parameters handed to the CUDA backend (validated).
 struct CopyBlocksParams {
   std::vector<void*> arrays;              // base pointers
