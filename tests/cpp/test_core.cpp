@@ -218,3 +218,31 @@ PA_TEST(parsers_reject_unknown_names) {
 }
 
 int main() { return pagedattn_test::run_all(); }
+
+PA_TEST(decode_plan_validates_like_workspace_size) {
+  DecodeWorkspaceQuery q;
+  q.num_seqs = 1;
+  q.num_heads = 32;
+  q.num_kv_heads = 8;
+  q.head_size = 128;
+  q.block_size = 16;
+  q.max_blocks_per_seq = 256;
+  q.dtype = DType::kBFloat16;
+  q.num_kv_heads = 7;  // 32 heads are not a multiple of 7
+  PA_CHECK_THROWS(decode_plan(q), InvalidArgument);
+  q.num_kv_heads = 8;
+  q.version = 3;
+  PA_CHECK_THROWS(decode_plan(q), InvalidArgument);
+  q.version = 0;
+  if (!built_with_cuda()) {
+    PA_CHECK_THROWS(decode_plan(q), NotSupported);
+    PA_CHECK_THROWS(decode_workspace_size(q), NotSupported);
+  } else {
+    try {
+      const DecodePlanInfo info = decode_plan(q);  // on a machine with a GPU
+      PA_CHECK(info.num_partitions >= 1 && info.ctas == 8 * info.num_partitions);
+      PA_CHECK_EQ(info.workspace_bytes, decode_workspace_size(q));
+    } catch (const NotSupported&) {  // built with CUDA, no usable device here
+    }
+  }
+}
