@@ -8,22 +8,16 @@ sys.path; run once per build with the same arguments to compare builds side by s
 import sys
 
 import torch
-from small_shapes import case
+from small_shapes import parse_args, suite_cases
 
 import pagedattn
-from pagedattn.bench.kernels import SHAPES, Timer
+from pagedattn.bench.kernels import Timer
 
 
 def main():
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    tag = " ".join(a for a in sys.argv[1:] if not a.startswith("--"))
-    only = [k for k in opts.get("shapes", "").split(",") if k]
+    opts, tag, only = parse_args(sys.argv[1:])
     timer = Timer(torch, int(opts.get("reps", 30)), 3, "read")
-    for sh in SHAPES:
-        if only and not any(k in sh.name for k in only):
-            continue
-        dt = getattr(torch, sh.dtype)
-        q, kc, vc, bt, sl = case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+    for sh, (q, kc, vc, bt, sl) in suite_cases(only):
         out = torch.empty_like(q)
         prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
         ref = pagedattn.paged_attention(q, kc, vc, bt, sl, version=1)
@@ -37,7 +31,6 @@ def main():
             prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
             print(f"{tag:8s} {'opt-30b lengths 0':22s} {timer.gpu_us(prep.run):9.2f} us", flush=True)
         del q, kc, vc, out, ref
-        torch.cuda.empty_cache()
     if not only or any(k in "torch floor" for k in only):  # for scale: one tiny torch kernel
         small = torch.empty(1024, dtype=torch.float32, device="cuda")
         print(f"{tag:8s} {'torch zero_ 4 KB':22s} {timer.gpu_us(small.zero_):9.2f} us", flush=True)

@@ -7,30 +7,26 @@ range of partition counts, to fit the planner's model to measurements (GPU machi
 import sys
 
 import torch
-from small_shapes import case
+from small_shapes import parse_args, suite_cases
 
 import pagedattn
-from pagedattn.bench.kernels import SHAPES, Timer
+from pagedattn.bench.kernels import Timer
 
 NPS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 
 
 def main():
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    only = [k for k in opts.get("shapes", "").split(",") if k]
+    opts, _, only = parse_args(sys.argv[1:])
     nps = [int(x) for x in opts["nps"].split(",")] if "nps" in opts else NPS
     timer = Timer(torch, 15, 2, "read")
-    for sh in SHAPES:
-        if only and not any(k in sh.name for k in only):
-            continue
-        dt = getattr(torch, sh.dtype)
-        q, kc, vc, bt, sl = case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+    for sh, (q, kc, vc, bt, sl) in suite_cases(only):
         out = torch.empty_like(q)
         auto = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
         row = [f"auto {timer.gpu_us(auto.run):.1f}"]
         seen = set()
         for np_ in (1,) + tuple(nps):
-            ps = max(64, -(-(-(-sh.context // np_)) // 16) * 16)
+            per = -(-sh.context // np_)  # tokens per partition, then rounded up to 16
+            ps = max(64, -(-per // 16) * 16)
             if np_ > 1 and (ps >= sh.context or ps in seen):
                 continue
             seen.add(ps)
@@ -41,7 +37,6 @@ def main():
             row.append(f"{-(-sh.context // ps) if np_ > 1 else 1}:{ps}={timer.gpu_us(prep.run):.1f}")
         print(f"{sh.name:22s} " + " ".join(row), flush=True)
         del q, kc, vc, out
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -36,12 +36,29 @@ def case(S, H, K, D, dt, ctx):
     return q, kc, vc, bt, sl
 
 
+def parse_args(argv):
+    """(--key=value options, the words that are not options joined as a tag, the --shapes filter)."""
+    opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    tag = " ".join(a for a in argv if not a.startswith("--"))
+    return opts, tag, [k for k in opts.get("shapes", "").split(",") if k]
+
+
+def suite_cases(only):
+    """(shape, inputs) for each shape of the benchmark suite whose name contains a word of `only`."""
+    from pagedattn.bench.kernels import SHAPES
+
+    for sh in SHAPES:
+        if only and not any(k in sh.name for k in only):
+            continue
+        dt = getattr(torch, sh.dtype)
+        yield sh, case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+        torch.cuda.empty_cache()
+
+
 def main():
     quick = "--quick" in sys.argv
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    only = [k for k in opts.get("shapes", "").split(",") if k]
+    opts, tag, only = parse_args(sys.argv[1:])
     psizes = [int(x) for x in opts.get("psizes", "32,64,128,256,512").split(",")]
-    tag = " ".join(a for a in sys.argv[1:] if not a.startswith("--"))
     timers = {m: Timer(torch, 40, 5, m) for m in (("read",) if quick else ("read", "write"))}
     for name, S, H, K, D, dt, ctx in SHAPES:
         if only and not any(k in name for k in only):

@@ -98,13 +98,7 @@ def decode_workspace_size(
     on these host-known sizes (never on ``seq_lens``), so one buffer of this size serves
     every later call with the same shapes, including graph replays.
     """
-    return int(
-        _core.decode_workspace_size(
-            int(num_seqs), int(num_heads), int(num_kv_heads), int(head_size), int(block_size),
-            int(max_blocks_per_seq), dtype_name(dtype), kv_cache_dtype, layout, int(version),
-            int(partition_size), int(device),
-        )  # fmt: skip
-    )
+    return int(_decode_query(_core.decode_workspace_size, locals()))
 
 
 def decode_plan(
@@ -131,10 +125,12 @@ def decode_plan(
     grid) and ``workspace_bytes``.
     Like the workspace size it depends only on host-known sizes, never on ``seq_lens``.
     """
-    return dict(
-        _core.decode_plan(
-            int(num_seqs), int(num_heads), int(num_kv_heads), int(head_size), int(block_size),
-            int(max_blocks_per_seq), dtype_name(dtype), kv_cache_dtype, layout, int(version),
-            int(partition_size), int(device),
-        )  # fmt: skip
-    )
+    return dict(_decode_query(_core.decode_plan, locals()))
+
+
+def _decode_query(fn: Any, a: dict) -> Any:
+    """Calls a C++ workspace / plan query with the arguments of decode_workspace_size."""
+    sizes = [int(a[k]) for k in ("num_seqs", "num_heads", "num_kv_heads", "head_size", "block_size",
+                                 "max_blocks_per_seq")]  # fmt: skip
+    return fn(*sizes, dtype_name(a["dtype"]), a["kv_cache_dtype"], a["layout"], int(a["version"]),
+              int(a["partition_size"]), int(a["device"]))  # fmt: skip
