@@ -3,7 +3,7 @@
 # ("base", PA_AB_BASE, default .ab/base) side by side, runs the GPU decode tests on "new",
 # then times every benchmark shape with each build in turn (base, new, base, new) and the
 # planner sweep with "new". Results in $OUT/ab.txt.
-#   PA_AB_BASE=.ab/base PA_AB_STAGES="test ab sweep" bash .ci/device_ab.sh
+#   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep" bash .ci/device_ab.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -34,6 +34,13 @@ if has test; then
     -q -p no:cacheprovider --maxfail=20 > "$OUT/tests.log" 2>&1
   note "tests: rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 | tee -a "$S"
+fi
+if has sanitize; then  # compute-sanitizer on the kernel sample, "new" build
+  for tool in memcheck racecheck; do
+    PYTHONPATH=/tmp/ab-new timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+      python3 "$REPO/.ci/sanitize_sample.py" $tool > "$OUT/sanitize_$tool.log" 2>&1
+    note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+  done
 fi
 if has ab; then
   # PA_AB_RUNS: tag=build[+ENV=value], timed in turn, twice

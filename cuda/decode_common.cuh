@@ -17,9 +17,8 @@ __device__ __forceinline__ void record_error(DeviceErrorRecord* e, int flag, int
   }
 }
 
-// Block id of table column `col` of sequence `s`, or -1 (recorded) when out of range.
-__device__ __forceinline__ int load_block_id(const DecodeKernelParams& p, int s, int col) {
-  const int id = __ldg(p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq + col);
+// `id`, read from table column `col` of sequence `s`, or -1 (recorded) when out of range.
+__device__ __forceinline__ int checked_block_id(const DecodeKernelParams& p, int s, int col, int id) {
   if (id < 0 || id >= p.num_blocks) {
     record_error(p.error, 1, s, col, id);
     return -1;
@@ -58,11 +57,6 @@ __device__ __forceinline__ int checked_seq_len(const DecodeKernelParams& p, int 
   return len;
 }
 
-// Length of sequence s, or -1 (recorded) when invalid.
-__device__ __forceinline__ int load_seq_len(const DecodeKernelParams& p, int s) {
-  return checked_seq_len(p, s, __ldg(p.seq_lens + s));
-}
-
 // Writes `rows` heads of [D] outputs starting at head h0 with one value (0 or NaN).
 template <class T>
 __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int h0, int rows, float v) {
@@ -72,6 +66,48 @@ __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int
     T* o = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h0 + r) * p.o_stride_head;
     o[d] = from_float<T>(v);
   }
+}
+
+// Where a decode CTA works. Grid: x = partition, y = KV head x head tile, z = sequence.
+struct CtaTask {
+  int part, kvh, s;
+  int rows;       // valid query heads of the tile
+  int h0;         // first query head of the tile
+  int tok_begin;  // first token of the partition
+};
+__device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int tile_rows) {
+  CtaTask t;
+  t.part = static_cast<int>(blockIdx.x);
+  t.kvh = static_cast<int>(blockIdx.y) / p.num_head_tiles;
+  const int row0 = static_cast<int>(blockIdx.y) % p.num_head_tiles * tile_rows;  // first row inside the group
+  t.s = static_cast<int>(blockIdx.z);
+  t.rows = min(tile_rows, p.group - row0);
+  t.h0 = t.kvh * p.group + row0;
+  t.tok_begin = t.part * p.partition_size;
+  return t;
+}
+
+// The raw block ids of tokens t0 and t0 + 8 (one block when B >= 16), read without
+// knowing the sequence length: any column below M may be read; 0 past the table.
+__device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, const std::int32_t* table_row, int t0,
+                                                int& a, int& b) {
+  const int B = p.block_size;
+  a = t0 / B < p.max_blocks_per_seq ? ldg_now(table_row + t0 / B) : 0;
+  b = a;
+  if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) b = ldg_now(table_row + (t0 + 8) / B);
+}
+
+// The CTA's checked sequence length, or -1 when the CTA has nothing to do; the output
+// it owns (single pass) is then written: NaN for an invalid length (the reduce also
+// turns an invalid length into NaN), zeros for length 0.
+template <class T>
+__device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const CtaTask& t, int raw_len) {
+  const int len = checked_seq_len(p, t.s, raw_len);
+  if (len < 0 || t.tok_begin >= len) {
+    if (p.part_out == nullptr) fill_out<T>(p, t.s, t.h0, t.rows, len < 0 ? NAN : 0.f);
+    return -1;
+  }
+  return len;
 }
 
 // Final step of a decode CTA. Inputs in shared memory, written by W warps:

@@ -107,42 +107,25 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   __shared__ float red_l[C::kWarps * C::kRows];
 
   allow_dependent_launch();
-  const int part = blockIdx.x;
-  const int kvh = blockIdx.y / p.num_head_tiles;
-  const int tile = blockIdx.y % p.num_head_tiles;
-  const int s = blockIdx.z;
+  const CtaTask task = cta_task(p, C::kRows);
+  const int part = task.part, kvh = task.kvh, s = task.s, rows = task.rows, h0 = task.h0;
+  const int tok_begin = task.tok_begin;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int D = HEAD ? HEAD : p.head_size;
   const int B = p.block_size, K = p.num_kv_heads;
 
-  const int row0 = tile * C::kRows;                    // first row of the tile inside the group
-  const int rows = min(C::kRows, p.group - row0);      // valid rows
-  const int h0 = kvh * p.group + row0;                 // first query head
-
   // The sequence length and the block ids of the warp's first kStages chunks are loaded
-  // together: the ids do not depend on the length (any column below M may be read), so a
-  // CTA starts streaming after one memory latency instead of two.
-  const int tok_begin = part * p.partition_size;
+  // together: the ids do not depend on the length, so a CTA starts streaming after one
+  // memory latency instead of two.
   const std::int32_t* table_row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   const int len_raw = ldg_now(p.seq_lens + s);
   int first_a[C::kStages], first_b[C::kStages];
 #pragma unroll
-  for (int i = 0; i < C::kStages; ++i) {
-    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
-    first_a[i] = t0 / B < p.max_blocks_per_seq ? ldg_now(table_row + t0 / B) : 0;
-    first_b[i] = first_a[i];
-    if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) first_b[i] = ldg_now(table_row + (t0 + 8) / B);
-  }
-  const int len = checked_seq_len(p, s, len_raw);
-  if (len < 0) {  // invalid length: NaN output (v1) or NaN partials (the reduce checks it too)
-    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, NAN);
-    return;
-  }
-  if (tok_begin >= len) {
-    if (p.part_out == nullptr) fill_out<T>(p, s, h0, rows, 0.f);  // len == 0: zeros
-    return;
-  }
+  for (int i = 0; i < C::kStages; ++i)
+    early_block_ids(p, table_row, tok_begin + (warp + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
+  const int len = cta_seq_len<T>(p, task, len_raw);
+  if (len < 0) return;
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
   const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
@@ -194,20 +177,13 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       b = (B < 16 && t0 + 8 < tok_end) ? __ldg(table_row + (t0 + 8) / B) : a;
     }
   };
-  auto checked = [&](int id, int col) {
-    if (id < 0 || id >= p.num_blocks) {
-      record_error(p.error, 1, s, col, id);
-      return -1;
-    }
-    return id;
-  };
   auto load_chunk = [&](int i, int rawA, int rawB) {
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     unsigned char* vs = ks + C::kKBytes;
-    const int idA = checked(rawA, t0 / B);
+    const int idA = checked_block_id(p, s, t0 / B, rawA);
     int idB = idA;
-    if (B < 16) idB = t0 + 8 < tok_end ? checked(rawB, (t0 + 8) / B) : -1;
+    if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, rawB) : -1;
     bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
     if constexpr (L == CacheLayout::kVLLM) {
       if (HEAD != 0 && B == 16) {

@@ -49,28 +49,21 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   __shared__ float red_l[C::kWarps * C::kRows];
 
   allow_dependent_launch();
-  const int part = blockIdx.x;
-  const int kvh = blockIdx.y / p.num_head_tiles;
-  const int tile = blockIdx.y % p.num_head_tiles;
-  const int s = blockIdx.z;
+  const CtaTask task = cta_task(p, C::kRows);
+  const int part = task.part, kvh = task.kvh, s = task.s, rows = task.rows, h0 = task.h0;
+  const int tok_begin = task.tok_begin;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = HEAD ? HEAD : p.head_size;
   const int B = p.block_size, K = p.num_kv_heads;
-  const int row0 = tile * C::kRows;
-  const int rows = min(C::kRows, p.group - row0);
-  const int h0 = kvh * p.group + row0;
   constexpr int x = F == Fp8::kNone ? 4 : 16;  // vllm key layout's x
 
-  const int len = load_seq_len(p, s);
-  if (len < 0) {
-    if (p.part_out == nullptr) fill_out<float>(p, s, h0, rows, NAN);
-    return;
-  }
-  const int tok_begin = part * p.partition_size;
-  if (tok_begin >= len) {
-    if (p.part_out == nullptr) fill_out<float>(p, s, h0, rows, 0.f);
-    return;
-  }
+  // As in the tensor-core kernel: the length and the warp's first block ids together.
+  const std::int32_t* table_row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+  const int len_raw = ldg_now(p.seq_lens + s);
+  int raw_a, raw_b;  // raw block ids of the warp's next chunk, loaded one chunk ahead
+  early_block_ids(p, table_row, tok_begin + warp * C::kTok, raw_a, raw_b);
+  const int len = cta_seq_len<float>(p, task, len_raw);
+  if (len < 0) return;
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
 
@@ -102,9 +95,14 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 
   for (int ci = warp; ci < nchunks; ci += C::kWarps) {
     const int t0 = tok_begin + ci * C::kTok;
-    int idA = load_block_id(p, s, t0 / B);
+    const int idA = checked_block_id(p, s, t0 / B, raw_a);
     int idB = idA;
-    if (B < 16) idB = t0 + 8 < tok_end ? load_block_id(p, s, (t0 + 8) / B) : -1;
+    if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, raw_b) : -1;
+    const int tn = t0 + C::kWarps * C::kTok;  // the warp's next chunk
+    if (tn < tok_end) {
+      raw_a = __ldg(table_row + tn / B);
+      raw_b = (B < 16 && tn + 8 < tok_end) ? __ldg(table_row + (tn + 8) / B) : raw_a;
+    }
     bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
 
     // scores: lane t keeps the scores of token t0 + t

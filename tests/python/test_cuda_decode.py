@@ -263,8 +263,9 @@ def test_workspace_size_and_errors(rng):
         pagedattn.paged_attention(*args, version=2, partition_size=40)
 
 
-def test_out_of_range_block_ids(rng):
-    p = make_problem(rng, [40, 70, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])  # tensor-core and CUDA-core kernels
+def test_out_of_range_block_ids(rng, dtype):
+    p = make_problem(rng, [40, 70, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
     nblocks = p.key_cache.shape[0]
     bad = p.block_tables.copy()
     bad[1, 2] = nblocks + 5  # inside sequence 1's 5 blocks
@@ -274,25 +275,28 @@ def test_out_of_range_block_ids(rng):
     out = to_numpy(pagedattn.paged_attention(*args))  # unchecked: never reads outside; NaN marks it
     assert np.isnan(out[1].astype(np.float32)).all()
     ref = paged_attention_ref(*p.args())
-    assert_close(out[[0, 2]], ref[[0, 2]], np.float16, "other sequences are unaffected")
+    assert_close(out[[0, 2]], ref[[0, 2]], dtype, "other sequences are unaffected")
     bad_len = p.seq_lens.copy()
     bad_len[2] = p.block_tables.shape[1] * 16 + 1
     args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, bad_len)]
     with pytest.raises(IndexError, match=r"seq_lens\[2\]"):
         pagedattn.paged_attention(*args, check_block_tables=True, version=2, partition_size=64)
     good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], check_block_tables=True)
-    assert_close(to_numpy(good), ref, np.float16)
+    assert_close(to_numpy(good), ref, dtype)
 
 
-def test_padding_entries_never_read(rng):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_padding_entries_never_read(rng, dtype, block_size):
     """Table entries past a sequence's last block may hold anything, even invalid ids."""
-    p = make_problem(rng, [17, 3], num_heads=4, num_kv_heads=2, head_size=64, dtype=np.float16, pad_blocks=3)
+    p = make_problem(rng, [17, 3], num_heads=4, num_kv_heads=2, head_size=64, dtype=dtype, pad_blocks=3,
+                     block_size=block_size)  # fmt: skip
     bt = p.block_tables.copy()
-    bt[0, 2:] = -7
+    bt[0, -(-17 // block_size) :] = -7  # past sequence 0's last block
     bt[1, 1:] = 10**9
     out = pagedattn.paged_attention(to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache), to_torch(bt),
                                     to_torch(p.seq_lens), check_block_tables=True)  # fmt: skip
-    assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), dtype)
 
 
 def test_repeatable(rng):
