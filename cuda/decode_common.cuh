@@ -69,14 +69,19 @@ __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int
 }
 
 // Where a decode CTA works. Grid: x = partition, y = KV head x head tile, z = sequence.
+// cta_task also issues the load of the sequence's length (checked by cta_seq_len), so
+// the caller can issue its block-id loads before waiting on it.
 struct CtaTask {
   int part, kvh, s;
   int rows;       // valid query heads of the tile
   int h0;         // first query head of the tile
   int tok_begin;  // first token of the partition
+  const std::int32_t* table_row;  // the sequence's block-table row
+  int raw_len;    // seq_lens[s], unchecked
 };
 __device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int tile_rows) {
   CtaTask t;
+  t.raw_len = ldg_now(p.seq_lens + blockIdx.z);
   t.part = static_cast<int>(blockIdx.x);
   t.kvh = static_cast<int>(blockIdx.y) / p.num_head_tiles;
   const int row0 = static_cast<int>(blockIdx.y) % p.num_head_tiles * tile_rows;  // first row inside the group
@@ -84,25 +89,26 @@ __device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int til
   t.rows = min(tile_rows, p.group - row0);
   t.h0 = t.kvh * p.group + row0;
   t.tok_begin = t.part * p.partition_size;
+  t.table_row = p.block_tables + static_cast<std::int64_t>(t.s) * p.max_blocks_per_seq;
   return t;
 }
 
 // The raw block ids of tokens t0 and t0 + 8 (one block when B >= 16), read without
 // knowing the sequence length: any column below M may be read; 0 past the table.
-__device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, const std::int32_t* table_row, int t0,
-                                                int& a, int& b) {
+__device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, const CtaTask& t, int t0, int& a,
+                                                int& b) {
   const int B = p.block_size;
-  a = t0 / B < p.max_blocks_per_seq ? ldg_now(table_row + t0 / B) : 0;
+  a = t0 / B < p.max_blocks_per_seq ? ldg_now(t.table_row + t0 / B) : 0;
   b = a;
-  if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) b = ldg_now(table_row + (t0 + 8) / B);
+  if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) b = ldg_now(t.table_row + (t0 + 8) / B);
 }
 
 // The CTA's checked sequence length, or -1 when the CTA has nothing to do; the output
 // it owns (single pass) is then written: NaN for an invalid length (the reduce also
 // turns an invalid length into NaN), zeros for length 0.
 template <class T>
-__device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const CtaTask& t, int raw_len) {
-  const int len = checked_seq_len(p, t.s, raw_len);
+__device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const CtaTask& t) {
+  const int len = checked_seq_len(p, t.s, t.raw_len);
   if (len < 0 || t.tok_begin >= len) {
     if (p.part_out == nullptr) fill_out<T>(p, t.s, t.h0, t.rows, len < 0 ? NAN : 0.f);
     return -1;

@@ -196,8 +196,7 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(const __grid_constan
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      if (f[w] != 0.f) o += f[w] * flat[w * 32 * kMaxPieces * 4 + d];
+    for (int w = 0; w < kWarps; ++w) o += f[w] * flat[w * 32 * kMaxPieces * 4 + d];  // idle warps: f = 0, acc = 0
     out[d] = from_float<T>(o * inv);
   }
 }

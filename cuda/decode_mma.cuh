@@ -115,16 +115,15 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   const int D = HEAD ? HEAD : p.head_size;
   const int B = p.block_size, K = p.num_kv_heads;
 
-  // The sequence length and the block ids of the warp's first kStages chunks are loaded
-  // together: the ids do not depend on the length, so a CTA starts streaming after one
-  // memory latency instead of two.
-  const std::int32_t* table_row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  const int len_raw = ldg_now(p.seq_lens + s);
+  // The sequence length (issued by cta_task) and the block ids of the warp's first
+  // kStages chunks are loaded together: the ids do not depend on the length, so a CTA
+  // starts streaming after one memory latency instead of two.
+  const std::int32_t* table_row = task.table_row;
   int first_a[C::kStages], first_b[C::kStages];
 #pragma unroll
   for (int i = 0; i < C::kStages; ++i)
-    early_block_ids(p, table_row, tok_begin + (warp + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
-  const int len = cta_seq_len<T>(p, task, len_raw);
+    early_block_ids(p, task, tok_begin + (warp + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
+  const int len = cta_seq_len<T>(p, task);
   if (len < 0) return;
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;

@@ -58,11 +58,10 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   constexpr int x = F == Fp8::kNone ? 4 : 16;  // vllm key layout's x
 
   // As in the tensor-core kernel: the length and the warp's first block ids together.
-  const std::int32_t* table_row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  const int len_raw = ldg_now(p.seq_lens + s);
+  const std::int32_t* table_row = task.table_row;
   int raw_a, raw_b;  // raw block ids of the warp's next chunk, loaded one chunk ahead
-  early_block_ids(p, table_row, tok_begin + warp * C::kTok, raw_a, raw_b);
-  const int len = cta_seq_len<float>(p, task, len_raw);
+  early_block_ids(p, task, tok_begin + warp * C::kTok, raw_a, raw_b);
+  const int len = cta_seq_len<float>(p, task);
   if (len < 0) return;
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
