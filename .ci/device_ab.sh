@@ -4,6 +4,7 @@
 # then times every benchmark shape with each build in turn (base, new, base, new) and the
 # planner sweep with "new". Results in $OUT/ab.txt.
 #   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep" bash .ci/device_ab.sh
+#   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash .ci/device_ab.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -14,15 +15,19 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 S="$OUT/ab.txt"; : > "$S"
 note() { echo "$*" | tee -a "$S"; }
 note "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader) date: $(date -u +%F)"
-build() {  # name, source
+build() {  # name, source[, CUDA flags]
   CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 400 python3 -m pip install --no-build-isolation --no-deps \
     --target "/tmp/ab-$1" "$2" -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir="/tmp/ab-build-$1" \
-    > "$OUT/build_$1.log" 2>&1
+    ${3:+-C "cmake.define.CMAKE_CUDA_FLAGS=$3"} > "$OUT/build_$1.log" 2>&1
   echo "build $1: rc=$?"
 }
 t0=$(date +%s)
 build new "$REPO" > /tmp/ab-new.rc &
-if has ab; then build base "$BASE" > /tmp/ab-base.rc & fi
+if has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; then build base "$BASE" > /tmp/ab-base.rc & fi
+# PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
+for v in ${PA_AB_EXTRA:-}; do
+  n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
+done
 wait
 note "$(cat /tmp/ab-*.rc | tr '\n' ' ') in $(( $(date +%s) - t0 )) s"
 grep -q "rc=0" /tmp/ab-new.rc || { tail -30 "$OUT/build_new.log"; exit 1; }

@@ -40,6 +40,31 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
+// Timeline tracing for kernel studies (a build with -DPAGEDATTN_TRACE only; see
+// .ci/trace_decode.py): thread 0 of each CTA notes the global timer at fixed points and
+// prints them once at its end. Compiled out otherwise.
+#ifdef PAGEDATTN_TRACE
+#define PA_TRACE_DECL unsigned long long pa_tr[12] = {}
+#define PA_TRACE(i)                                                                   \
+  do {                                                                                \
+    if (threadIdx.x == 0 && (i) < 12) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(pa_tr[(i)])); \
+  } while (0)
+#define PA_TRACE_PRINT(tag, n)                                                                            \
+  do {                                                                                                    \
+    if (threadIdx.x == 0) {                                                                               \
+      unsigned smid;                                                                                      \
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                                                   \
+      printf("%s %u %u %u %u %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", tag,      \
+             blockIdx.x, blockIdx.y, blockIdx.z, smid, (n), pa_tr[0], pa_tr[1], pa_tr[2], pa_tr[3], pa_tr[4], \
+             pa_tr[5], pa_tr[6], pa_tr[7], pa_tr[8], pa_tr[9], pa_tr[10], pa_tr[11]);                     \
+    }                                                                                                     \
+  } while (0)
+#else
+#define PA_TRACE_DECL
+#define PA_TRACE(i)
+#define PA_TRACE_PRINT(tag, n)
+#endif
+
 // A read-only 32-bit load the compiler may not move: issued where it is written, so
 // independent loads at a kernel's start overlap instead of waiting on each other.
 __device__ __forceinline__ int ldg_now(const std::int32_t* ptr) {
@@ -119,34 +144,50 @@ __device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const Ct
 // Final step of a decode CTA. Inputs in shared memory, written by W warps:
 //   wm, wl   [W][R]      per-warp max logit (base 2) and exp-sum of each row
 //   slab     [W][R][DP]  per-warp unnormalised output of each row, already scaled by
-//                        exp2(wm - row max) (the caller does that)
-// Writes out (NP == 1) or the partition's partial results.
-template <class T, int W, int R, int DP>
+//                        exp2(wm - row max) (the caller does that); DP is a multiple of
+//                        4 floats and the slab 16-byte aligned
+// Writes out (NP == 1) or the partition's partial results. A thread takes 4 dims of a
+// row at a time (head sizes are multiples of 8), so a GQA group's rows take one pass.
+template <class T, int W, int R, int DP, int HEAD>
 __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
                                            const float* slab, int s, int h0, int rows, int part, bool bad) {
-  const int D = p.head_size;
+  const int D = HEAD ? HEAD : p.head_size;
+  const int q4 = D / 4;
   const bool single = p.part_out == nullptr;
-  for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
-    const int r = i / D, d = i % D;
+  for (int i = threadIdx.x; i < rows * q4; i += blockDim.x) {
+    const int r = i / q4, d = (i - r * q4) * 4;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < W; ++w) mx = fmaxf(mx, wm[w * R + r]);
-    float l = 0.f, o = 0.f;
+    float l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const float m = wm[w * R + r];
       if (m != -INFINITY) l += wl[w * R + r] * exp2f(m - mx);
-      o += slab[(w * R + r) * DP + d];
+      const float4 v = *reinterpret_cast<const float4*>(slab + (w * R + r) * DP + d);
+      o.x += v.x;
+      o.y += v.y;
+      o.z += v.z;
+      o.w += v.w;
     }
-    o *= p.v_scale;
-    if (bad) o = NAN;
+    const float sc = bad ? NAN : p.v_scale;
+    o.x *= sc;
+    o.y *= sc;
+    o.z *= sc;
+    o.w *= sc;
     const int h = h0 + r;
     if (single) {
-      T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
-      out[d] = from_float<T>(o / l);
+      // out may be strided by single elements: element stores
+      T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
+      const float inv = 1.f / l;
+      out[0] = from_float<T>(o.x * inv);
+      out[1] = from_float<T>(o.y * inv);
+      out[2] = from_float<T>(o.z * inv);
+      out[3] = from_float<T>(o.w * inv);
     } else {
       const std::int64_t row = (static_cast<std::int64_t>(s) * p.num_heads + h) * p.num_partitions + part;
-      p.part_out[row * D + d] = o;
+      *reinterpret_cast<float4*>(p.part_out + row * D + d) = o;
       if (d == 0) {
         p.part_max[row] = mx;
         p.part_sum[row] = bad ? NAN : l;

@@ -136,8 +136,11 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(const __grid_constan
   __shared__ float warp_m[kWarps], warp_l[kWarps];
   const int h = blockIdx.x, s = blockIdx.y;
   const int D = p.head_size;
+  PA_TRACE_DECL;
+  PA_TRACE(0);
   const int len = __ldg(p.seq_lens + s);  // an input: readable before the decode grid ends
   wait_for_primary_grid();  // launched early (sm_90+): the partials are complete after this
+  PA_TRACE(1);
   T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
   if (len <= 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
     for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = from_float<T>(len == 0 ? 0.f : NAN);
@@ -199,6 +202,8 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(const __grid_constan
     for (int w = 0; w < kWarps; ++w) o += f[w] * flat[w * 32 * kMaxPieces * 4 + d];  // idle warps: f = 0, acc = 0
     out[d] = from_float<T>(o * inv);
   }
+  PA_TRACE(2);
+  PA_TRACE_PRINT("PR", np);
 }
 
 DecodeKernelInfo select_kernel(const DecodeParams& p) {

@@ -54,7 +54,10 @@ struct MmaDecodeConfig {
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kSlabBytes = kWarps * kRows * kHMax * 4;
+  // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
+  // the 8-float pad puts the 8 rows a warp writes at once on different banks.
+  static constexpr int kSlabPitch = kHMax + 8;
+  static constexpr int kSlabBytes = kWarps * kRows * kSlabPitch * 4;
   static constexpr int kSmemBytes = kPipeBytes > kSlabBytes ? kPipeBytes : kSlabBytes;
 };
 
@@ -106,6 +109,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   __shared__ float red_m[C::kWarps * C::kRows];
   __shared__ float red_l[C::kWarps * C::kRows];
 
+  PA_TRACE_DECL;
+  PA_TRACE(0);
   allow_dependent_launch();
   const CtaTask task = cta_task(p, C::kRows);
   const int part = task.part, kvh = task.kvh, s = task.s, rows = task.rows, h0 = task.h0;
@@ -125,6 +130,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     early_block_ids(p, task, tok_begin + (warp + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
   const int len = cta_seq_len<T>(p, task);
   if (len < 0) return;
+  PA_TRACE(1);
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
   const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
@@ -294,6 +300,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();
     __syncwarp();
+    if (i < 6) PA_TRACE(2 + i);
 
     const unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     const unsigned char* vs = ks + C::kKBytes;
@@ -417,6 +424,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     __syncwarp();
   }
   cp_async_wait<0>();
+  PA_TRACE(8);
 
   // ---- merge the warps
 #pragma unroll
@@ -425,6 +433,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
   }
   const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
+  PA_TRACE(9);
   if (c == 0) {
     red_m[warp * C::kRows + g] = m_run[0];
     red_m[warp * C::kRows + g + 8] = m_run[1];
@@ -442,17 +451,24 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     f[half] = m_run[half] == -INFINITY ? 0.f : exp2f(m_run[half] - mx);
   }
   float* slab = reinterpret_cast<float*>(smem);
+  float* r0 = slab + (warp * C::kRows + g) * C::kSlabPitch + 2 * c;
+  float* r1 = r0 + 8 * C::kSlabPitch;
+  // only the group's rows: the padding rows of the mma tile are never stored
+  if (g < rows) {
 #pragma unroll
-  for (int n = 0; n < C::kNTiles; ++n) {
-    if (n * 8 >= D) break;
-    const int d = n * 8 + 2 * c;
-    float* r0 = slab + (warp * C::kRows + g) * C::kHMax + d;
-    float* r1 = slab + (warp * C::kRows + g + 8) * C::kHMax + d;
-    *reinterpret_cast<float2*>(r0) = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
-    *reinterpret_cast<float2*>(r1) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
+    for (int n = 0; n < C::kNTiles; ++n)
+      if (HEAD != 0 || n * 8 < D) *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
+  }
+  if (g + 8 < rows) {
+#pragma unroll
+    for (int n = 0; n < C::kNTiles; ++n)
+      if (HEAD != 0 || n * 8 < D) *reinterpret_cast<float2*>(r1 + n * 8) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
   }
   __syncthreads();
-  store_rows<T, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+  PA_TRACE(10);
+  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+  PA_TRACE(11);
+  PA_TRACE_PRINT("PT", my_chunks);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     }
   }
   __syncthreads();
-  store_rows<float, C::kWarps, C::kRows, C::kHMax>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+  store_rows<float, C::kWarps, C::kRows, C::kHMax, HEAD>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -135,13 +135,16 @@ class PreparedDecode:
                                     partition_size, workspace, check_block_tables)  # fmt: skip
         self._core_arrays = args  # the exact objects the views point into (uint16 views of bfloat16 included)
         self._impl = _core.PreparedDecode(*args, **kwargs)
+        self._impl.attach(self.out, resolve_stream)
+        # The compiled run itself, bound to this instance: a step costs no Python frame.
+        self.run = self._impl.run
 
-    def run(self, stream: Any = None) -> Any:
+    def run(self, stream: Any = None) -> Any:  # replaced per instance by the compiled method
         """Runs the decode (on ``stream``, else the stream resolved when prepared) and returns ``out``."""
-        self._impl.run(None if stream is None else resolve_stream(stream, self.out))
-        return self.out
+        return self._impl.run(stream)
 
-    __call__ = run
+    def __call__(self, stream: Any = None) -> Any:
+        return self._impl.run(stream)
 
 
 def prepare_decode(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,

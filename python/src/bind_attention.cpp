@@ -87,11 +87,14 @@ struct DecodeCall {
   DecodeCall(const DecodeCall&) = delete;
 };
 
-// The arrays' Python objects are kept alive by the Python wrapper (pagedattn.PreparedDecode).
+// The arrays' Python objects are kept alive by the Python wrapper (pagedattn.PreparedDecode),
+// which also hands over the object `run` returns and its stream resolver (attach).
 struct PreparedDecode {
   DecodeParams params;
   DeviceKind device;
   void* stream;
+  nb::object result;   // the caller's output array
+  nb::object resolve;  // resolve_stream(stream, like) -> int, for a stream that is not an int
 };
 
 #define DECODE_ARGS                                                                                              \
@@ -213,12 +216,34 @@ void bind_attention(nb::module_& m) {
           },
           DECODE_ARGS)
       .def(
-          "run",
-          [](const PreparedDecode& self, std::optional<std::uintptr_t> stream) {
-            nb::gil_scoped_release release;
-            run_decode(self.params, self.device, stream ? to_stream(*stream) : self.stream);
+          "attach",
+          [](PreparedDecode& self, nb::object result, nb::object resolve) {
+            self.result = std::move(result);
+            self.resolve = std::move(resolve);
           },
-          "stream"_a = nb::none(), "Launches the prepared decode (on `stream`, else the one given when prepared).");
+          "result"_a, "resolve"_a, "Sets the object `run` returns and the resolver of non-int stream arguments.")
+      .def(
+          "run",
+          [](const PreparedDecode& self, nb::handle stream) -> nb::object {
+            // The whole per-step path from Python: no Python frame, no conversion.
+            void* handle = self.stream;
+            if (!stream.is_none()) {
+              nb::object h = PyLong_CheckExact(stream.ptr()) || !self.resolve.is_valid()
+                                 ? nb::borrow(stream)
+                                 : self.resolve(stream, self.result);
+              std::uintptr_t v = 0;
+              if (!nb::try_cast(h, v))
+                throw nb::type_error("stream: expected a non-negative int handle or an object with __cuda_stream__");
+              handle = to_stream(v);
+            }
+            {
+              nb::gil_scoped_release release;
+              run_decode(self.params, self.device, handle);
+            }
+            return self.result.is_valid() ? self.result : nb::none();
+          },
+          "stream"_a = nb::none(),
+          "Launches the prepared decode (on `stream`, else the one given when prepared); returns the output.");
 
   m.def(
       "reshape_and_cache",

@@ -250,6 +250,38 @@ def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
         assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph replay {lens}")
 
 
+def test_prepared_run_on_streams_and_in_a_graph(rng):
+    """PreparedDecode.run on its own stream, on a torch stream object, and captured in a
+    CUDA graph that is replayed after the lengths change."""
+    p = make_problem(rng, [700, 3, 129], num_heads=16, num_kv_heads=4, head_size=128, dtype=np.float16,
+                     extra_blocks=8)  # fmt: skip
+    q, kc, vc, bt, sl = (to_torch(a) for a in p.args())
+    out = torch.full_like(q, float("nan"))
+    prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=2, partition_size=128)
+    assert prep.run() is out
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    out.fill_(float("nan"))
+    s.wait_stream(torch.cuda.current_stream())
+    assert prep.run(stream=s) is out
+    s.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
+    with pytest.raises(TypeError, match="stream"):
+        prep.run(stream="current")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        prep.run(stream=s)  # the stream fixed when prepared is not the capture stream
+    lens = np.array([650, 1, 0], np.int32)  # shorter: only written slots are read
+    sl.copy_(torch.from_numpy(lens))
+    p.seq_lens[...] = lens
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
+
+
 def test_workspace_size_and_errors(rng):
     assert pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=1) == 0
     n = pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=2, partition_size=256)

@@ -202,6 +202,31 @@ def test_prepared_decode_reruns_with_new_contents(rng):
         prepared.run()
 
 
+def test_prepared_decode_stream_argument(rng):
+    """run(stream=...) takes an int handle (0 on the CPU) or a stream object; anything else
+    is a TypeError naming the argument, raised before any work."""
+    p = make_problem(rng, [20, 5], num_heads=4, num_kv_heads=2, dtype=np.float32)
+    prepared = pagedattn.prepare_decode(*p.args())
+    ref = paged_attention_ref(*p.args())
+    for stream in (None, 0, np.int64(0)):
+        prepared.out[...] = np.nan
+        assert prepared.run(stream) is prepared.out
+        assert_close(prepared.out, ref, np.float32)
+
+    class Proto:  # the __cuda_stream__ protocol: (version, handle)
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    prepared.out[...] = np.nan
+    assert prepared.run(stream=Proto()) is prepared.out
+    assert_close(prepared.out, ref, np.float32)
+    prepared.out[...] = np.nan
+    for bad in ("default", 1.5, -1):
+        with pytest.raises(TypeError, match="stream"):
+            prepared.run(stream=bad)
+    assert np.isnan(prepared.out).all()  # nothing ran
+
+
 def test_prepared_decode_validates_at_prepare_time(rng):
     p = make_problem(rng, [4])
     with pytest.raises(TypeError, match="seq_lens: expected dtype int32"):
