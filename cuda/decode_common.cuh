@@ -45,19 +45,20 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 // prints them once at its end. Compiled out otherwise.
 #ifdef PAGEDATTN_TRACE
 #define PA_TRACE_DECL unsigned long long pa_tr[12] = {}
-#define PA_TRACE(i)                                                                   \
-  do {                                                                                \
-    if (threadIdx.x == 0 && (i) < 12) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(pa_tr[(i)])); \
+#define PA_TRACE(i)                                                                    \
+  do {                                                                                 \
+    if (threadIdx.x == 0 && (i) < 12)                                                  \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(pa_tr[(i)]));                   \
   } while (0)
-#define PA_TRACE_PRINT(tag, n)                                                                            \
-  do {                                                                                                    \
-    if (threadIdx.x == 0) {                                                                               \
-      unsigned smid;                                                                                      \
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                                                   \
-      printf("%s %u %u %u %u %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", tag,      \
-             blockIdx.x, blockIdx.y, blockIdx.z, smid, (n), pa_tr[0], pa_tr[1], pa_tr[2], pa_tr[3], pa_tr[4], \
-             pa_tr[5], pa_tr[6], pa_tr[7], pa_tr[8], pa_tr[9], pa_tr[10], pa_tr[11]);                     \
-    }                                                                                                     \
+#define PA_TRACE_PRINT(tag, n)                                                                     \
+  do {                                                                                             \
+    if (threadIdx.x == 0) {                                                                        \
+      unsigned smid;                                                                               \
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                                            \
+      printf("%s %u %u %u %u %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", tag, \
+             blockIdx.x, blockIdx.y, blockIdx.z, smid, (n), pa_tr[0], pa_tr[1], pa_tr[2], pa_tr[3], \
+             pa_tr[4], pa_tr[5], pa_tr[6], pa_tr[7], pa_tr[8], pa_tr[9], pa_tr[10], pa_tr[11]);      \
+    }                                                                                              \
   } while (0)
 #else
 #define PA_TRACE_DECL
@@ -179,7 +180,8 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
     const int h = h0 + r;
     if (single) {
       // out may be strided by single elements: element stores
-      T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
+      T* out =
+          static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
       const float inv = 1.f / l;
       out[0] = from_float<T>(o.x * inv);
       out[1] = from_float<T>(o.y * inv);

@@ -457,12 +457,14 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   if (g < rows) {
 #pragma unroll
     for (int n = 0; n < C::kNTiles; ++n)
-      if (HEAD != 0 || n * 8 < D) *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
+      if (HEAD != 0 || n * 8 < D)
+        *reinterpret_cast<float2*>(r0 + n * 8) = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
   }
   if (g + 8 < rows) {
 #pragma unroll
     for (int n = 0; n < C::kNTiles; ++n)
-      if (HEAD != 0 || n * 8 < D) *reinterpret_cast<float2*>(r1 + n * 8) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
+      if (HEAD != 0 || n * 8 < D)
+        *reinterpret_cast<float2*>(r1 + n * 8) = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
   }
   __syncthreads();
   PA_TRACE(10);
