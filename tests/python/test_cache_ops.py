@@ -97,23 +97,16 @@ def test_swap_blocks_errors(rng):
         pagedattn.swap_blocks(src, np.zeros((4, 2, 8), np.float32), [(0, 4)])
 
 
-def test_workspace_size_without_cuda_or_bad_args():
+@pytest.mark.parametrize("name", ["decode_workspace_size", "decode_plan"])
+def test_decode_queries_without_cuda_or_bad_args(name):
+    """Both host-side queries share their validation, and each names itself in errors."""
+    fn = getattr(pagedattn, name)
     if not pagedattn._core.with_cuda:
-        with pytest.raises(ValueError, match="no CUDA backend"):
-            pagedattn.decode_workspace_size(1, 8, 2, 64, 16, 4, "float16")
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        pagedattn.decode_workspace_size(1, 8, 3, 64, 16, 4, "float16")
+        with pytest.raises(ValueError, match=f"{name}: this build of pagedattn has no CUDA backend"):
+            fn(1, 8, 2, 64, 16, 4, "float16")
+    with pytest.raises(ValueError, match=f"{name}: num_heads 8 must be a multiple of num_kv_heads 3"):
+        fn(1, 8, 3, 64, 16, 4, "float16")
     with pytest.raises(ValueError, match="head_size 65"):
-        pagedattn.decode_workspace_size(1, 8, 2, 65, 16, 4, "float16")
-
-
-def test_decode_plan_without_cuda_or_bad_args():
-    if not pagedattn._core.with_cuda:
-        with pytest.raises(ValueError, match="decode_plan: this build of pagedattn has no CUDA backend"):
-            pagedattn.decode_plan(1, 8, 2, 64, 16, 4, "float16")
-    with pytest.raises(ValueError, match="decode_plan: num_heads 8 must be a multiple of num_kv_heads 3"):
-        pagedattn.decode_plan(1, 8, 3, 64, 16, 4, "float16")
-    with pytest.raises(ValueError, match="head_size 65"):
-        pagedattn.decode_plan(1, 8, 2, 65, 16, 4, "float16")
+        fn(1, 8, 2, 65, 16, 4, "float16")
     with pytest.raises(ValueError, match="version: got 3"):
-        pagedattn.decode_plan(1, 8, 2, 64, 16, 4, "float16", version=3)
+        fn(1, 8, 2, 64, 16, 4, "float16", version=3)
