@@ -24,7 +24,7 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout) {
         using Cfg = MmaDecodeConfig<T, F, HEAD, L>;
         info.func = reinterpret_cast<const void*>(&decode_mma_kernel<T, F, HEAD, L>);
         info.threads = Cfg::kThreads;
-        info.smem = Cfg::kSmemBytes;
+        info.smem = Cfg::kDynBytes;
         info.rows = Cfg::kRows;
       }
       return info;

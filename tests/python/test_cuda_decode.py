@@ -340,13 +340,14 @@ def test_repeatable(rng):
         assert torch.equal(pagedattn.paged_attention(*args), a)
 
 
-@pytest.mark.parametrize("heads", [(32, 8), (32, 2), (8, 8)])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 2), (8, 8), (64, 2)])
 def test_partitioned_pool_and_workspace_agree(rng, heads):
     """Partitioned form with the pooled scratch and with a caller's workspace; lengths at
-    partition edges, a bad block id, a bad length, shapes alternating on one stream."""
+    partition edges, a bad block id, a bad length, shapes alternating on one stream;
+    64 / 2 heads has two head tiles per KV head, 31 partitions one sequence."""
     H, K = heads
     P = 64
-    shapes = ([0, 1, P - 1, P, P + 1, 3 * P + 5, 7 * P], [9 * P + 1, 2, 2 * P])
+    shapes = ([0, 1, P - 1, P, P + 1, 3 * P + 5, 7 * P], [9 * P + 1, 2, 2 * P], [31 * P + 3])
     for lens in shapes + shapes:
         p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=128, dtype=NP_DTYPES["bfloat16"])
         args = [to_torch(a) for a in p.args()]
