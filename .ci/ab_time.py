@@ -1,8 +1,8 @@
-"""Times every benchmark shape (vllm layout, automatic plan) with the pagedattn found on
-sys.path; run once per build with the same arguments to compare builds side by side
-(GPU machine only).
+"""Times every benchmark shape (automatic plan; vllm layout unless --layout=nhd) with the
+pagedattn found on sys.path; run once per build with the same arguments to compare builds
+side by side (GPU machine only).
 
-    python3 .ci/ab_time.py TAG [--shapes=sub1,sub2] [--reps=30]
+    python3 .ci/ab_time.py TAG [--shapes=sub1,sub2] [--reps=30] [--layout=nhd]
 """
 
 import sys
@@ -17,7 +17,8 @@ from pagedattn.bench.kernels import Timer
 def main():
     opts, tag, only = parse_args(sys.argv[1:])
     timer = Timer(torch, int(opts.get("reps", 30)), 3, "read")
-    for sh, (q, kc, vc, bt, sl) in suite_cases(only):
+    layout = opts.get("layout", "vllm")
+    for sh, (q, kc, vc, bt, sl) in suite_cases(only, layout):
         out = torch.empty_like(q)
         prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out)
         ref = pagedattn.paged_attention(q, kc, vc, bt, sl, version=1)

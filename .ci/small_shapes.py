@@ -24,10 +24,10 @@ SHAPES = [  # name, S, H, K, D, dtype, ctx
 BS = 16
 
 
-def case(S, H, K, D, dt, ctx):
+def case(S, H, K, D, dt, ctx, layout="vllm"):
     per = -(-ctx // BS)
     nb = S * per
-    ks, vs = pagedattn.kv_cache_shape(nb, BS, K, D, dt, "vllm")
+    ks, vs = pagedattn.kv_cache_shape(nb, BS, K, D, dt, layout)
     kc = torch.randn(ks, dtype=dt, device="cuda")
     vc = torch.randn(vs, dtype=dt, device="cuda")
     q = torch.randn(S, H, D, dtype=dt, device="cuda")
@@ -43,7 +43,7 @@ def parse_args(argv):
     return opts, tag, [k for k in opts.get("shapes", "").split(",") if k]
 
 
-def suite_cases(only):
+def suite_cases(only, layout="vllm"):
     """(shape, inputs) for each shape of the benchmark suite whose name contains a word of `only`."""
     from pagedattn.bench.kernels import SHAPES
 
@@ -51,7 +51,7 @@ def suite_cases(only):
         if only and not any(k in sh.name for k in only):
             continue
         dt = getattr(torch, sh.dtype)
-        yield sh, case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context)
+        yield sh, case(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, sh.context, layout)
         torch.cuda.empty_cache()
 
 

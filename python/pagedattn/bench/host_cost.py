@@ -4,9 +4,9 @@
 
 Times the Python-side cost of issuing one decode (argument conversion, validation,
 launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (through the
-DLPack C exchange fast path, and through the general DLPack path), an eager call with
-CuPy arrays, a PreparedDecode (validated once) run, and for scale one torch kernel
-launch. Each figure is the
+DLPack C exchange fast path, and through the general DLPack path), the same call with
+zero sequences (no launch) and without the Python wrapper, an eager call with CuPy arrays,
+a PreparedDecode (validated once) run, and for scale one torch kernel launch. Each figure is the
 median wall time of single calls, issued while the GPU is kept busy by a long spin so
 that launches never wait for the device.
 """
@@ -72,6 +72,18 @@ def run(calls: int = 500):
     rows["eager, torch tensors, out=, general DLPack path"] = _median_call_us(
         lambda: pagedattn.paged_attention(*args_t, out=out_t, stream=handle), calls, busy
     )
+    # Where an eager call's time goes: the same call with zero sequences (array
+    # conversion and every check, no launch), and the compiled entry point called
+    # directly (no Python wrapper frame).
+    empty = (t["query"][:0], t["key_cache"], t["value_cache"], t["block_tables"][:0], t["seq_lens"][:0])
+    rows["eager, torch tensors, out=, zero sequences (no launch)"] = _median_call_us(
+        lambda: pagedattn.paged_attention(*empty, out=out_t[:0]), calls, busy
+    )
+    core = pagedattn._core.paged_attention_exchange
+    if core(out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None) is not None:
+        rows["eager, compiled entry point alone (no Python frame)"] = _median_call_us(
+            lambda: core(out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None), calls, busy
+        )
     rows["for scale: one torch kernel launch (out.zero_())"] = _median_call_us(out_t.zero_, calls, busy)
     prep = pagedattn.prepare_decode(*args_t, out=out_t)
     rows["PreparedDecode.run(), torch tensors"] = _median_call_us(prep.run, calls, busy)
