@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Profiles the decode kernels with Nsight Compute (clocks left alone). Logs in $OUT.
 #   PA_PROFILE="vllm:32:16384 vllm:1:16384" bash .ci/device_profile.sh
+#   PA_NCU_EXTRA="--section MemoryWorkloadAnalysis_Tables" PA_NCU_METRICS="dram__bytes_read.sum,..." add to it
 set -u
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,7 +14,8 @@ for spec in ${PA_PROFILE:-vllm:32:16384 nhd:32:16384}; do
   timeout 200 ncu --clock-control none -k regex:decode_mma -s 1 -c 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     --section WarpStateStats --section SchedulerStats \
-    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio${PA_NCU_METRICS:+,$PA_NCU_METRICS}" \
+    ${PA_NCU_EXTRA:-} \
     python3 "$REPO/.ci/profile_decode.py" $layout $batch $ctx > "$f" 2>&1
   echo "ncu $spec rc=$?"
   # every kernel's duration (decode + reduce) of the same calls

@@ -11,8 +11,9 @@
 // state; the warps are merged once at the end.
 //
 // Shared-memory layouts of one stage (all layouts of the cache map onto these):
-//   K   [D*E/16 chunks][16 tokens][16 bytes], token index XOR-swizzled per chunk so the
-//       fragment loads (one 16-byte load feeds 16/E/4 k-steps) are bank-conflict free.
+//   K   vllm: [D*E/16 chunks][16 tokens][16 bytes], token index XOR-swizzled per chunk so
+//       the fragment loads (one 16-byte load feeds 16/E/4 k-steps) are bank-conflict free;
+//       nhd: [16 tokens][D*E/16 chunks][16 bytes], chunk bit 2 flipped on odd tokens (k_off).
 //   V   vllm: [D][16 tokens] (the cache's own [D, B] rows);  nhd: [16 tokens][D*E + 16]
 //       (padded rows; ldmatrix.trans reads them for 16-bit caches).
 // Dimension permutation: a thread's k-slots {2c, 2c+1, 2c+8, 2c+9} of a k-step hold 4
@@ -103,8 +104,18 @@ __device__ __forceinline__ int slot_token(int nt, int col) {
   else return 8 * nt + col;
 }
 
-// K 16-byte chunk j of token t inside a stage (swizzled).
-__device__ __forceinline__ int k_unit(int j, int t) { return j * 16 + (t ^ ((2 * j) & 6)); }
+// Byte offset of K's 16-byte chunk j of token t inside a stage (NJ chunks per token row).
+// vllm: [NJ][16 tokens], the token index XOR-swizzled per chunk (the cache's slab order).
+// nhd: [16 tokens][NJ], as the cache's rows come: the 16-byte pieces of one 128-byte line
+// of a token row land in one 128-byte run of shared memory, which cp.async needs to fetch
+// the line with one L2 request (scattered, every piece was its own request: 4.9x the L2
+// requests of the vllm layout); chunk bit 2 flipped on odd tokens so that the fragment
+// loads of two adjacent tokens fall on different banks.
+template <CacheLayout L, int NJ>
+__device__ __forceinline__ int k_off(int j, int t) {
+  if constexpr (L == CacheLayout::kVLLM) return (j * 16 + (t ^ ((2 * j) & 6))) * 16;
+  else return (t * NJ + (NJ % 8 == 0 ? j ^ ((t & 1) << 2) : j)) * 16;
+}
 
 template <class T, Fp8 F, int HEAD, CacheLayout L>
 __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         const char* ksrc = okk ? kc + off : kc;
 #pragma unroll
         for (int pi = lane; pi < nck * 16; pi += 32)
-          cp_async16(ks + k_unit(pi >> 4, t) * 16, okk ? ksrc + pi * 16 : kc, okk ? 16 : 0);
+          cp_async16(ks + k_off<L, C::kKChunks>(pi >> 4, t), okk ? ksrc + pi * 16 : kc, okk ? 16 : 0);
         constexpr int kPt16 = 16 / C::kE;      // tokens per 16-byte V piece
         constexpr int kPieces = 16 / kPt16;    // V pieces per dim row
         const int nvalid = idA >= 0 ? min(kPt16, max(0, tok_end - (t0 + (lane % kPieces) * kPt16))) : 0;
@@ -226,7 +237,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       const char* base = kc + ((static_cast<std::int64_t>(ok ? id : 0) * K + kvh) * nck) * (B * 16) +
                          static_cast<std::int64_t>(tok % B) * 16;
       for (int j = lane >> 4; j < nck; j += 2)
-        cp_async16(ks + k_unit(j, t) * 16, ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc, ok ? 16 : 0);
+        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc,
+                   ok ? 16 : 0);
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
       constexpr int kPt16 = 16 / C::kE;  // tokens per 16-byte piece
       if (C::kE == 1 && B == 8) {        // fp8, 8-token blocks: 8-byte pieces
@@ -265,7 +277,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const bool ok = tok < tok_end && id >= 0 && j8 * 8 < row_bytes;
           const std::int64_t off =
               ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j8 * 8;
-          cp_async8(ks + k_unit(j8 >> 1, t) * 16 + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
+          cp_async8(ks + k_off<L, C::kKChunks>(j8 >> 1, t) + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
           cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);
         }
         return;
@@ -278,7 +290,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         const std::int64_t off =
             ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j * 16;
         const int nb = ok ? min(16, row_bytes - j * 16) : 0;
-        cp_async16(ks + k_unit(j, t) * 16, ok ? kc + off : kc, nb);
+        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kc + off : kc, nb);
         cp_async16(vs + t * C::kVPitch + j * 16, ok ? vc + off : vc, nb);
       }
     }
@@ -322,7 +334,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         if (HEAD == 0 && q * 4 * C::kV16 >= D) break;
         const int j = 4 * q + c;
         uint4 kv = make_uint4(0u, 0u, 0u, 0u);
-        if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_unit(j, trow) * 16);
+        if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, trow));
         const std::uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
         for (int sub = 0; sub < C::kSPL; ++sub) {
