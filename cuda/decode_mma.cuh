@@ -14,8 +14,9 @@
 //   K   vllm: [D*E/16 chunks][16 tokens][16 bytes], token index XOR-swizzled per chunk so
 //       the fragment loads (one 16-byte load feeds 16/E/4 k-steps) are bank-conflict free;
 //       nhd: [16 tokens][D*E/16 chunks][16 bytes], chunk bit 2 flipped on odd tokens (k_off).
-//   V   vllm: [D][16 tokens] (the cache's own [D, B] rows);  nhd: [16 tokens][D*E + 16]
-//       (padded rows; ldmatrix.trans reads them for 16-bit caches).
+//   V   vllm: [D][16 tokens] (the cache's own [D, B] rows);  nhd: [16 tokens][D*E] with
+//       the 16-byte chunks swizzled by token, or rows padded by 16 bytes (kVSwz, v_off);
+//       ldmatrix.trans reads them for 16-bit caches.
 // Dimension permutation: a thread's k-slots {2c, 2c+1, 2c+8, 2c+9} of a k-step hold 4
 // CONSECUTIVE head dims (and for the vllm layout the 16 tokens are ordered so that a
 // thread's P / V slots are 4 consecutive tokens); Q is loaded with the same
@@ -51,7 +52,12 @@ struct MmaDecodeConfig {
   static constexpr int kNTiles = kHMax / 8;
   static constexpr int kStages = PAGEDATTN_MMA_STAGES;
   static constexpr int kKBytes = kTok * kKChunks * 16;
-  static constexpr int kVPitch = kHMax * kE + 16;  // nhd row pitch (bytes)
+  // nhd V rows: 16-bit caches whose row is a multiple of 128 bytes keep unpadded rows with
+  // the 16-byte chunks XOR-swizzled by token (v_off), so a 128-byte line of a token row
+  // lands in one 128-byte run (one L2 request per line for cp.async) and the 8 rows an
+  // ldmatrix.trans reads fall on different banks; the others pad each row by 16 bytes.
+  static constexpr bool kVSwz = L == CacheLayout::kNHD && kE == 2 && (kHMax * kE / 16) % 8 == 0;
+  static constexpr int kVPitch = kVSwz ? kHMax * kE : kHMax * kE + 16;  // nhd row pitch (bytes)
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
@@ -102,6 +108,13 @@ template <CacheLayout L>
 __device__ __forceinline__ int slot_token(int nt, int col) {
   if constexpr (L == CacheLayout::kVLLM) return 4 * (col >> 1) + 2 * nt + (col & 1);
   else return 8 * nt + col;
+}
+
+// Byte offset of V's 16-byte chunk j of token t inside an nhd stage.
+template <class C>
+__device__ __forceinline__ int v_off(int t, int j) {
+  if constexpr (C::kVSwz) return t * C::kVPitch + ((j ^ (t & 7)) << 4);
+  else return t * C::kVPitch + (j << 4);
 }
 
 // Byte offset of K's 16-byte chunk j of token t inside a stage (NJ chunks per token row).
@@ -291,7 +304,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
             ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j * 16;
         const int nb = ok ? min(16, row_bytes - j * 16) : 0;
         cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kc + off : kc, nb);
-        cp_async16(vs + t * C::kVPitch + j * 16, ok ? vc + off : vc, nb);
+        cp_async16(vs + v_off<C>(t, j), ok ? vc + off : vc, nb);
       }
     }
   };
@@ -419,12 +432,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         if (HEAD == 0 && n * 8 >= D) break;
         if (n + 1 < C::kNTiles && (HEAD != 0 || (n + 1) * 8 < D)) {
           std::uint32_t b[4];
-          ldmatrix_x4_trans(b, vs + ((mi & 1) * 8 + r) * C::kVPitch + (n + (mi >> 1)) * 16);
+          ldmatrix_x4_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n + (mi >> 1)));
           mma16816<T>(acc[n], pa, b[0], b[1]);
           mma16816<T>(acc[n + 1], pa, b[2], b[3]);
         } else {
           std::uint32_t b[2];
-          ldmatrix_x2_trans(b, vs + ((mi & 1) * 8 + r) * C::kVPitch + n * 16);
+          ldmatrix_x2_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n));
           mma16816<T>(acc[n], pa, b[0], b[1]);
         }
       }
