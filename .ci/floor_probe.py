@@ -2,6 +2,7 @@
 timed kernel between two events): an empty kernel against one with a large dynamic
 shared-memory allocation, and one that does a single dependent global load, after a spin
 kernel that uses no shared memory or a large allocation. Needs CuPy and a GPU."""
+
 import statistics
 
 import cupy as cp
@@ -50,8 +51,10 @@ def main():
                     ev1.synchronize()
                     if it >= 10:
                         ts.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3)
-                print(f"spin smem {sp_smem // 1024:3d} KB  {kname:6s} smem {smem // 1024:3d} KB: "
-                      f"median {statistics.median(ts):5.2f} us  min {min(ts):5.2f}")
+                print(
+                    f"spin smem {sp_smem // 1024:3d} KB  {kname:6s} smem {smem // 1024:3d} KB: "
+                    f"median {statistics.median(ts):5.2f} us  min {min(ts):5.2f}"
+                )
 
 
 if __name__ == "__main__":

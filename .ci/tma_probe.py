@@ -4,6 +4,7 @@ pattern: every warp streams its own 8 KB chunks (two 4 KB slabs from random plac
 a ring of `stages` slots. Needs CuPy and an sm_90 GPU. Prints time, GB/s and bytes per ns
 per CTA for a few grid sizes.
 """
+
 import statistics
 import sys
 
@@ -97,7 +98,10 @@ def main():
     ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
     ts = []
     for _ in range(10):
-        ev0.record(); b[...] = a; ev1.record(); ev1.synchronize()
+        ev0.record()
+        b[...] = a
+        ev1.record()
+        ev1.synchronize()
         ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
     copy_bw = 2 * a.nbytes / (statistics.median(ts[2:]) * 1e-3) / 1e9
     print(f"gpu {name} sms {sms} copy {copy_bw:.0f} GB/s")
@@ -120,8 +124,10 @@ def main():
                     ts.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3)
             us = statistics.median(ts)
             nbytes = grid * nch * 8192
-            print(f"{kern:5s} grid {grid:4d} x {nch:2d} chunks: {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s "
-                  f"{100 * nbytes / us / 1e3 / copy_bw:5.1f}% {nbytes / grid / us / 1e3:6.1f} B/ns/CTA")
+            print(
+                f"{kern:5s} grid {grid:4d} x {nch:2d} chunks: {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s "
+                f"{100 * nbytes / us / 1e3 / copy_bw:5.1f}% {nbytes / grid / us / 1e3:6.1f} B/ns/CTA"
+            )
     sys.stdout.flush()
 
 

@@ -5,10 +5,10 @@
 Times the Python-side cost of issuing one decode (argument conversion, validation,
 launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (through the
 DLPack C exchange fast path, and through the general DLPack path), the same call with
-zero sequences (no launch) and without the Python wrapper, an eager call with CuPy arrays,
-a PreparedDecode (validated once) run, and for scale one torch kernel launch. Each figure is the
-median wall time of single calls, issued while the GPU is kept busy by a long spin so
-that launches never wait for the device.
+zero sequences (no launch) and without the Python wrapper, an eager call with CuPy
+arrays, a PreparedDecode (validated once) run, and for scale one torch kernel launch.
+Each figure is the median wall time of single calls, issued while the GPU is kept busy
+by a long spin so that launches never wait for the device.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ def run(calls: int = 500):
         lambda: pagedattn.paged_attention(*empty, out=out_t[:0]), calls, busy
     )
     core = pagedattn._core.paged_attention_exchange
-    if core(out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None) is not None:
+    core_args = (out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None)  # paged_attention's defaults
+    if core(*core_args) is not None:  # None: this torch offers no exchange API
         rows["eager, compiled entry point alone (no Python frame)"] = _median_call_us(
-            lambda: core(out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None), calls, busy
+            lambda: core(*core_args), calls, busy
         )
     rows["for scale: one torch kernel launch (out.zero_())"] = _median_call_us(out_t.zero_, calls, busy)
     prep = pagedattn.prepare_decode(*args_t, out=out_t)
