@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const std::int64_t off =
               ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j8 * 8;
           cp_async8(ks + k_off<L, C::kKChunks>(j8 >> 1, t) + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
-          cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);
+          cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);  // fp8: unswizzled rows
         }
         return;
       }
@@ -442,6 +442,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         }
       }
     } else {  // nhd fp8: byte loads of tokens 2c, 2c+1, 2c+8, 2c+9 at dim 8n + g
+      static_assert(!C::kVSwz, "fp8 nhd values are staged and read with the padded row pitch, unswizzled");
 #pragma unroll
       for (int n = 0; n < C::kNTiles; ++n) {
         if (HEAD == 0 && n * 8 >= D) break;
