@@ -6,7 +6,8 @@ Times the Python-side cost of issuing one decode (argument conversion, validatio
 launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (through the
 DLPack C exchange fast path, and through the general DLPack path), the same call with
 zero sequences (no launch) and without the Python wrapper, an eager call with CuPy
-arrays, a PreparedDecode (validated once) run, and for scale one torch kernel launch.
+arrays, a PreparedDecode (validated once) run, and for scale one torch kernel launch and
+the same torch call with nothing to launch.
 Each figure is the median wall time of single calls, issued while the GPU is kept busy
 by a long spin so that launches never wait for the device.
 """
@@ -76,8 +77,9 @@ def run(calls: int = 500):
     # conversion and every check, no launch), and the compiled entry point called
     # directly (no Python wrapper frame).
     empty = (t["query"][:0], t["key_cache"], t["value_cache"], t["block_tables"][:0], t["seq_lens"][:0])
+    out_empty = out_t[:0]  # sliced once: a torch slice per call would be timed too
     rows["eager, torch tensors, out=, zero sequences (no launch)"] = _median_call_us(
-        lambda: pagedattn.paged_attention(*empty, out=out_t[:0]), calls, busy
+        lambda: pagedattn.paged_attention(*empty, out=out_empty), calls, busy
     )
     core = pagedattn._core.paged_attention_exchange
     core_args = (out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None)  # paged_attention's defaults
@@ -86,6 +88,9 @@ def run(calls: int = 500):
             lambda: core(*core_args), calls, busy
         )
     rows["for scale: one torch kernel launch (out.zero_())"] = _median_call_us(out_t.zero_, calls, busy)
+    # The same torch call on an empty tensor launches nothing: the difference from the row
+    # above is what one kernel launch costs on this host.
+    rows["for scale: the same torch call, nothing launched"] = _median_call_us(out_empty.zero_, calls, busy)
     prep = pagedattn.prepare_decode(*args_t, out=out_t)
     rows["PreparedDecode.run(), torch tensors"] = _median_call_us(prep.run, calls, busy)
     try:
