@@ -81,19 +81,43 @@ std::string strides_str(const TensorView& t) {
   return s + "]";
 }
 
+[[noreturn]] void fail_span(const TensorView& t, const char* name) {
+  fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
+                        " spans more than 2^63 bytes");
+}
+
+// a * b and a + b, or false on int64 overflow (GCC and Clang: one flag test, no division).
+bool mul_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
+#if defined(__GNUC__) || defined(__clang__)
+  return !__builtin_mul_overflow(a, b, r);
+#else
+  if (a != 0 && std::llabs(b) > std::numeric_limits<std::int64_t>::max() / std::llabs(a)) return false;
+  *r = a * b;
+  return true;
+#endif
+}
+bool add_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
+#if defined(__GNUC__) || defined(__clang__)
+  return !__builtin_add_overflow(a, b, r);
+#else
+  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
+      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b))
+    return false;
+  *r = a + b;
+  return true;
+#endif
+}
+
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const TensorView& t, const char* name) {
-  if (a != 0 && std::llabs(b) > std::numeric_limits<std::int64_t>::max() / std::llabs(a))
-    fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
-                          " spans more than 2^63 bytes");
-  return a * b;
+  std::int64_t r = 0;
+  if (!mul_ok(a, b, &r)) fail_span(t, name);
+  return r;
 }
 
 std::int64_t checked_add(std::int64_t a, std::int64_t b, const TensorView& t, const char* name) {
-  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
-      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b))
-    fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
-                          " spans more than 2^63 bytes");
-  return a + b;
+  std::int64_t r = 0;
+  if (!add_ok(a, b, &r)) fail_span(t, name);
+  return r;
 }
 
 // Byte range [lo, hi) spanned by a view's elements; lo == hi when it has none.
@@ -129,17 +153,27 @@ bool same_view(const TensorView& a, const TensorView& b) {
   return true;
 }
 
-// `written` must not share memory with `other`; with allow_identical, the very same view
-// (an in-place call such as out=query) is accepted.
-void check_disjoint(const TensorView& written, const char* wname, const TensorView& other, const char* oname,
-                    bool allow_identical = false) {
-  if (allow_identical && same_view(written, other)) return;
-  const Extent a = extent(written, wname), b = extent(other, oname);
-  if (a.lo == a.hi || b.lo == b.hi) return;
-  if (a.lo < b.hi && b.lo < a.hi)
-    fail<InvalidArgument>(wname, " overlaps ", oname, " in memory; ", wname, " must be a separate array",
-                          allow_identical ? detail::concat(" (or ", oname, " itself, for an in-place call)") : "");
-}
+// An array a call writes, with its byte range computed once: every other array of the
+// call must not share memory with it; with allow_identical, the very same view (an
+// in-place call such as out=query) is accepted.
+class Written {
+ public:
+  Written(const TensorView& t, const char* name) : t_(t), name_(name), range_(extent(t, name)) {}
+  void disjoint_from(const TensorView& other, const char* oname, bool allow_identical = false) const {
+    if (range_.lo == range_.hi || (allow_identical && same_view(t_, other))) return;
+    const Extent b = extent(other, oname);
+    if (b.lo == b.hi) return;
+    if (range_.lo < b.hi && b.lo < range_.hi)
+      fail<InvalidArgument>(
+          name_, " overlaps ", oname, " in memory; ", name_, " must be a separate array",
+          allow_identical ? detail::concat(" (or ", oname, " itself, for an in-place call)") : "");
+  }
+
+ private:
+  const TensorView& t_;
+  const char* name_;
+  Extent range_;
+};
 
 // Every element of an array that is written must have its own memory: with the
 // dimensions sorted by stride, each stride must step past everything the smaller ones
@@ -314,12 +348,13 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     check_contiguous(a, "alibi_slopes");
   }
   check_no_self_overlap(out, "out");
-  check_disjoint(out, "out", query, "query", /*allow_identical=*/true);
-  check_disjoint(out, "out", key_cache, "key_cache");
-  check_disjoint(out, "out", value_cache, "value_cache");
-  check_disjoint(out, "out", block_tables, "block_tables");
-  check_disjoint(out, "out", seq_lens, "seq_lens");
-  if (opt.alibi_slopes) check_disjoint(out, "out", *opt.alibi_slopes, "alibi_slopes");
+  const Written out_w(out, "out");
+  out_w.disjoint_from(query, "query", /*allow_identical=*/true);
+  out_w.disjoint_from(key_cache, "key_cache");
+  out_w.disjoint_from(value_cache, "value_cache");
+  out_w.disjoint_from(block_tables, "block_tables");
+  out_w.disjoint_from(seq_lens, "seq_lens");
+  if (opt.alibi_slopes) out_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
   float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (opt.scale) {
     scale = *opt.scale;
@@ -368,7 +403,8 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
       check_contiguous(*opt.workspace, "workspace");
       const TensorView* inputs[] = {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens};
       const char* names[] = {"out", "query", "key_cache", "value_cache", "block_tables", "seq_lens"};
-      for (int i = 0; i < 6; ++i) check_disjoint(*opt.workspace, "workspace", *inputs[i], names[i]);
+      const Written ws_w(*opt.workspace, "workspace");
+      for (int i = 0; i < 6; ++i) ws_w.disjoint_from(*inputs[i], names[i]);
       p.workspace = opt.workspace->data;
       p.workspace_bytes = static_cast<std::size_t>(opt.workspace->numel()) * dtype_size(opt.workspace->dtype);
     }
@@ -434,12 +470,12 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");
   }
-  check_disjoint(value_cache, "value_cache", key_cache, "key_cache");
-  for (const TensorView* cache : {&key_cache, &value_cache}) {
-    const char* cname = cache == &key_cache ? "key_cache" : "value_cache";
-    check_disjoint(*cache, cname, key, "key");
-    check_disjoint(*cache, cname, value, "value");
-    check_disjoint(*cache, cname, slot_mapping, "slot_mapping");
+  const Written kc_w(key_cache, "key_cache"), vc_w(value_cache, "value_cache");
+  vc_w.disjoint_from(key_cache, "key_cache");
+  for (const Written* cache : {&kc_w, &vc_w}) {
+    cache->disjoint_from(key, "key");
+    cache->disjoint_from(value, "value");
+    cache->disjoint_from(slot_mapping, "slot_mapping");
   }
 
   CacheWriteParams p;

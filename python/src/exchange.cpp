@@ -1,5 +1,7 @@
 #include "exchange.hpp"
 
+#include <new>
+
 namespace pagedattn::py::exchange {
 namespace {
 
@@ -74,31 +76,6 @@ const Api* api_of(PyObject* obj) {
   return api;
 }
 
-Array::~Array() {
-  if (owned_ != nullptr && owned_->deleter != nullptr) owned_->deleter(owned_);
-}
-
-bool Array::convert(const Api* api, PyObject* obj) {
-  if (api->dltensor_from_py_object_no_sync != nullptr) {
-    DLTensor t{};
-    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
-      PyErr_Clear();
-      return false;
-    }
-    view_ = from_dlpack(t);  // shape and strides copied while the producer guarantees them
-    return true;
-  }
-  DLManagedTensorVersioned* m = nullptr;
-  if (api->managed_tensor_from_py_object_no_sync(obj, &m) != 0 || m == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  owned_ = m;
-  read_only_ = (m->flags & kFlagReadOnly) != 0;
-  view_ = from_dlpack(m->dl_tensor);
-  return true;
-}
-
 PyObject* allocate_like(const Api* api, const TensorView& prototype, TensorView* view) {
   if (api->managed_tensor_allocator == nullptr || api->managed_tensor_to_py_object_no_sync == nullptr) return nullptr;
   DLTensor proto{};
@@ -139,12 +116,38 @@ bool current_stream(const Api* api, const TensorView& v, void** stream) {
   return true;
 }
 
+Arrays::~Arrays() {
+  for (int i = 0; i < n_; ++i)
+    if (owned_[i] != nullptr && owned_[i]->deleter != nullptr) owned_[i]->deleter(owned_[i]);
+}
+
 bool Arrays::add(PyObject* obj) {
   if (n_ >= kMax) return false;
   const Api* api = api_of(obj);
-  if (api == nullptr || !arrays_[n_].convert(api, obj)) return false;
+  if (api == nullptr) return false;
+  DLManagedTensorVersioned* m = nullptr;
+  if (api->dltensor_from_py_object_no_sync != nullptr) {
+    DLTensor t{};
+    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    new (&slots_[n_].view) TensorView(from_dlpack(t));  // shape and strides copied while guaranteed
+  } else {
+    if (api->managed_tensor_from_py_object_no_sync(obj, &m) != 0 || m == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    try {
+      new (&slots_[n_].view) TensorView(from_dlpack(m->dl_tensor));
+    } catch (...) {
+      if (m->deleter != nullptr) m->deleter(m);
+      throw;
+    }
+    if ((m->flags & kFlagReadOnly) != 0) read_only_ |= 1u << n_;
+  }
+  owned_[n_] = m;
   apis_[n_] = api;
-  views_[n_] = arrays_[n_].view();
   ++n_;
   return true;
 }

@@ -65,25 +65,6 @@ constexpr std::uint64_t kFlagReadOnly = 1;  // DLPACK_FLAG_BITMASK_READ_ONLY
 // unsupported major version). Looked up once per type and cached.
 const Api* api_of(PyObject* obj);
 
-// One array converted through an exchange table; owns what the producer handed out
-// (released on destruction, after the call it served).
-class Array {
- public:
-  Array() = default;
-  Array(const Array&) = delete;
-  Array& operator=(const Array&) = delete;
-  ~Array();
-  // Converts `obj` with `api`; false (Python error cleared) when the producer refuses.
-  bool convert(const Api* api, PyObject* obj);
-  TensorView view() const { return view_; }
-  bool read_only() const { return read_only_; }
-
- private:
-  TensorView view_;
-  DLManagedTensorVersioned* owned_ = nullptr;
-  bool read_only_ = false;
-};
-
 // A new contiguous array like `prototype` (dtype, shape, device) made by the producer
 // of `api`; returns a new reference to the Python object and its view, or null with
 // the Python error cleared when the producer cannot allocate.
@@ -93,20 +74,33 @@ PyObject* allocate_like(const Api* api, const TensorView& prototype, TensorView*
 // arrays); false (Python error cleared) when the producer cannot say.
 bool current_stream(const Api* api, const TensorView& v, void** stream);
 
-// Converts up to kMax Python arrays, all through their types' exchange tables.
+// Converts up to kMax Python arrays, each through its type's exchange table, and owns
+// what the producers handed out until the call it serves is over. Only the views in
+// use are ever constructed (an eager call converts 5-8 arrays; the host cost of a call
+// is a few microseconds, so no work is spent on the unused slots).
 class Arrays {
  public:
   static constexpr int kMax = 8;
-  // Adds `obj`; false when its type offers no table or the producer refuses it.
+  Arrays() = default;
+  Arrays(const Arrays&) = delete;
+  Arrays& operator=(const Arrays&) = delete;
+  ~Arrays();
+  // Adds `obj`; false (Python error cleared) when its type offers no table or the
+  // producer refuses it.
   bool add(PyObject* obj);
-  const TensorView& operator[](int i) const { return views_[i]; }
-  bool read_only(int i) const { return arrays_[i].read_only(); }
+  const TensorView& operator[](int i) const { return slots_[i].view; }
+  bool read_only(int i) const { return (read_only_ >> i) & 1u; }
   const Api* api(int i) const { return apis_[i]; }
 
  private:
-  Array arrays_[kMax];
-  TensorView views_[kMax];
-  const Api* apis_[kMax] = {};
+  union Slot {
+    Slot() {}  // left unconstructed until add() fills it
+    TensorView view;
+  };
+  Slot slots_[kMax];
+  DLManagedTensorVersioned* owned_[kMax];  // set for the first n_ slots (null: nothing owned)
+  const Api* apis_[kMax];
+  unsigned read_only_ = 0;  // bit i: the producer marked array i read-only
   int n_ = 0;
 };
 
