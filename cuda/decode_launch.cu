@@ -265,7 +265,10 @@ struct DecodePlan {
 // `cta_bytes`. Memory is shared evenly by the active multiprocessors; the busiest one
 // runs c = ceil(ctas / sms) CTAs, at most `slots` at a time, and one CTA pulls at most
 // ~26 bytes/ns (its warps' copies in flight over the memory latency), so a grid with
-// fewer CTAs than multiprocessors does not get the whole bandwidth. Fixed costs: ~1.5 us
+// fewer CTAs than multiprocessors does not get the whole bandwidth. When the CTAs run in
+// several rounds (c > slots), the busiest multiprocessor's extra work over the average
+// (c - ctas / sms) costs only slots / c of its streaming time: multiprocessors that run
+// out of CTAs early leave their share of the bandwidth to the others. Fixed costs: ~1.5 us
 // per CTA of the busiest multiprocessor (its start and final merge are not fully hidden)
 // and ~1 us per round of resident CTAs; when CTAs run in several rounds they end at
 // staggered times and the last ones drain alone (~0.2 CTA lifetimes at the per-CTA
@@ -282,7 +285,12 @@ struct PlanModel {
     const std::int64_t c = (ctas + sms - 1) / sms;
     const double active = static_cast<double>(std::min<std::int64_t>(ctas, sms));
     const double rate = std::min(static_cast<double>(std::min<std::int64_t>(c, slots)) * kCtaBw, bw / active);
-    double t = static_cast<double>(c) * (cta_bytes / rate + kCtaUs) +
+    double streamed = static_cast<double>(c);  // CTAs' worth of bytes the busiest multiprocessor waits for
+    if (c > slots) {
+      const double mean = static_cast<double>(ctas) / sms;
+      streamed = mean + (static_cast<double>(c) - mean) * slots / static_cast<double>(c);
+    }
+    double t = streamed * cta_bytes / rate + static_cast<double>(c) * kCtaUs +
                kRoundUs * static_cast<double>((c + slots - 1) / slots);
     if (c > slots) t += kTail * cta_bytes / kCtaBw;
     if (partials) t += kReduceUs + 2.0 * static_cast<double>(ctas) * part_bytes / bw;
@@ -336,7 +344,7 @@ DecodePlan make_plan(const DecodeParams& p) {
       const std::int64_t np_eff = (ctx + ps - 1) / ps;
       if (np_eff < min_np) continue;
       const double t = model.us(base * np_eff, static_cast<double>(std::min(ps, ctx)) * bytes_per_token, np_eff > 1);
-      if (t < best * 0.99) {  // prefer fewer partitions on near ties
+      if (t < best * 0.995) {  // prefer fewer partitions on near ties
         best = t;
         psize = ps;
       }
