@@ -2,8 +2,9 @@
 # A/B round on the GPU machine: builds the working tree ("new") and a second source tree
 # ("base", PA_AB_BASE, default .ab/base) side by side, runs the GPU decode tests on "new",
 # then times every benchmark shape with each build in turn (base, new, base, new) and the
-# planner sweep with "new". Results in $OUT/ab.txt.
-#   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep" bash .ci/device_ab.sh
+# planner sweep with "new"; the "host" stage runs the host-cost script with each build in
+# turn, PA_HOST_ROUNDS times (default 3). Results in $OUT/ab.txt.
+#   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep host" bash .ci/device_ab.sh
 #   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash .ci/device_ab.sh
 set -u
 export PYTHONUNBUFFERED=1
@@ -23,7 +24,7 @@ build() {  # name, source[, CUDA flags]
 }
 t0=$(date +%s)
 build new "$REPO" > /tmp/ab-new.rc &
-if has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; then build base "$BASE" > /tmp/ab-base.rc & fi
+if has host || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
 # PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
 for v in ${PA_AB_EXTRA:-}; do
   n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
@@ -69,6 +70,25 @@ print(f"{'shape':22s} " + " ".join(f"{x:>9s}" for x in tags) + "   " + " ".join(
 for k, v in t.items():
     m = [statistics.mean(v[x]) if v[x] else float("nan") for x in tags]
     print(f"{k:22s} " + " ".join(f"{x:9.2f}" for x in m) + "   " + " ".join(f"{x / m[0]:.3f}" for x in m[1:]))
+PY
+fi
+if has host; then  # host cost per call: the same script with each build in turn, on one machine
+  cp "$REPO/python/pagedattn/bench/host_cost.py" /tmp/ab_host_cost.py
+  for round in $(seq "${PA_HOST_ROUNDS:-3}"); do
+    for b in base new; do
+      PYTHONPATH=/tmp/ab-$b timeout 120 python3 /tmp/ab_host_cost.py | sed "s/^/$b$round  /" >> "$S"
+    done
+  done
+  python3 - "$S" <<'PY' | tee -a "$S"
+import collections, statistics, sys
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) > 3 and f[-1] == "us/call" and f[0][:-1] in ("base", "new"):
+        t[" ".join(f[1:-2])][f[0][:-1]].append(float(f[-2]))
+print(f"{'host cost (median over rounds, us)':60s} {'base':>7s} {'new':>7s}")
+for k, v in t.items():
+    print(f"{k:60s} {statistics.median(v['base']):7.2f} {statistics.median(v['new']):7.2f}")
 PY
 fi
 if has sweep; then

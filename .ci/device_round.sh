@@ -16,7 +16,10 @@ LOGS=/tmp/pa-round-logs; mkdir -p "$LOGS"
 note() { echo "$*" | tee -a "$S"; }
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) commit: $(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null) date: $(date -u +%F)"
 
-fi_pid=
+fi_pid= fi_rc=
+fi_wait() {  # waits once for the FlashInfer warm-up, keeps its exit status
+  if [ -n "$fi_pid" ] && [ -z "$fi_rc" ]; then wait "$fi_pid"; fi_rc=$?; fi
+}
 if has bench && ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$REPO"/.whl/*.whl > "$LOGS/fi_install.log" 2>&1
@@ -53,7 +56,7 @@ fi
 
 if has host; then
   # Host timings need quiet CPUs: let FlashInfer's JIT compile (many processes) finish first.
-  if [ -n "$fi_pid" ]; then wait $fi_pid; fi_rc=$?; fi_pid_done=1; fi
+  fi_wait
   (cd /tmp && timeout 90 python3 -m pagedattn.bench.host_cost > "$LOGS/host_cost.log" 2>&1)
   note "host cost: rc=$?"; cat "$LOGS/host_cost.log" >> "$S"
 fi
@@ -67,7 +70,7 @@ fi
 if has bench; then
   fi_flag=--no-flashinfer
   if [ -n "$fi_pid" ]; then
-    [ -n "${fi_pid_done:-}" ] || { wait $fi_pid; fi_rc=$?; }
+    fi_wait
     note "flashinfer warm-up: rc=$fi_rc $(tail -1 "$LOGS/fi_warm.log" | cut -c1-200)"
     fi_flag=""
   fi
