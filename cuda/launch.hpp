@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include "pagedattn/attention.hpp"
 #include "pagedattn/cache_ops.hpp"
 #include "pagedattn/params.hpp"
 

@@ -1,5 +1,5 @@
 // copy_blocks / swap_blocks: one validation pass, the host implementation, and the
-// routing to the CUDA backend. Also the decode workspace-size query.
+// routing to the CUDA backend.
 #include "pagedattn/cache_ops.hpp"
 
 #include <algorithm>
@@ -147,53 +147,6 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
   p.num_pairs = m.pairs;
   p.device_id = src.device == DeviceKind::kCUDA ? src.device_id : dst.device_id;
   cuda_backend::swap_blocks(p, stream);
-}
-
-namespace {
-// Validates a workspace / plan query (`what` names the function in errors).
-DecodeParams decode_query_params(const DecodeWorkspaceQuery& q, const char* what) {
-  if (q.num_seqs < 0 || q.num_heads <= 0 || q.num_kv_heads <= 0 || q.head_size <= 0 || q.block_size <= 0 ||
-      q.max_blocks_per_seq < 0)
-    fail<InvalidArgument>(what, ": sizes must be positive (num_seqs, max_blocks_per_seq >= 0)");
-  if (q.num_heads % q.num_kv_heads != 0)
-    fail<InvalidArgument>(what, ": num_heads ", q.num_heads, " must be a multiple of num_kv_heads ",
-                          q.num_kv_heads);
-  if (!supported::is_dtype(q.dtype))
-    fail<TypeMismatch>(what, ": dtype ", dtype_name(q.dtype), " is not supported; expected one of ",
-                       supported::dtypes_str());
-  detail::check_cuda_sizes(q.head_size, q.block_size);
-  detail::check_decode_choice(q.version, q.partition_size);
-  if (!built_with_cuda())
-    fail<NotSupported>(what, ": this build of pagedattn has no CUDA backend (built without nvcc)");
-  const int devices = cuda_backend::device_count();
-  if (q.device_id < 0 || q.device_id >= devices)
-    fail<NotSupported>(what, ": device ", q.device_id, " is not a usable CUDA device (",
-                       devices == 0 ? std::string("no CUDA device or driver is available")
-                                    : detail::concat(devices, " device(s) visible"),
-                       ")");
-  DecodeParams p;
-  p.num_seqs = q.num_seqs;
-  p.num_heads = q.num_heads;
-  p.num_kv_heads = q.num_kv_heads;
-  p.head_size = q.head_size;
-  p.block_size = q.block_size;
-  p.max_blocks_per_seq = q.max_blocks_per_seq;
-  p.dtype = q.dtype;
-  p.kv_cache_dtype = q.kv_cache_dtype;
-  p.layout = q.layout;
-  p.version = q.version;
-  p.partition_size = q.partition_size;
-  p.device_id = q.device_id;
-  return p;
-}
-}  // namespace
-
-std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q) {
-  return cuda_backend::decode_workspace_bytes(decode_query_params(q, "decode_workspace_size"));
-}
-
-DecodePlanInfo decode_plan(const DecodeWorkspaceQuery& q) {
-  return cuda_backend::decode_plan_info(decode_query_params(q, "decode_plan"));
 }
 
 }  // namespace pagedattn

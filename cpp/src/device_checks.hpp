@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "pagedattn/attention.hpp"
 #include "pagedattn/errors.hpp"
 #include "pagedattn/tensor.hpp"
 
@@ -30,8 +31,8 @@ inline bool same_device(const TensorView& a, const TensorView& b) {
 // Defined in validate.cpp.
 void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
 
-// The decode kernel choice: version in {0, 1, 2}, partition_size >= 0 (InvalidArgument).
+// The decode kernel choice: a known DecodeKernel, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.
-void check_decode_choice(int version, int partition_size);
+void check_decode_choice(DecodeKernel kernel, int partition_size);
 
 }  // namespace pagedattn::detail

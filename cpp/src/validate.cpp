@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "pagedattn/attention.hpp"
+#include "validate.hpp"
 #include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
 
@@ -49,6 +49,10 @@ void check_float_dtype(const TensorView& t, const char* name) {
 void check_contiguous(const TensorView& t, const char* name) {
   if (!t.is_contiguous())
     fail<InvalidArgument>(name, ": must be C-contiguous (shape ", t.shape_str(), ")");
+}
+
+void check_writable(const TensorView& t, const char* name) {
+  if (t.read_only) fail<InvalidArgument>(name, ": the array is read-only; pagedattn writes into it");
 }
 
 void check_last_dim_contiguous(const TensorView& t, const char* name) {
@@ -263,10 +267,14 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
   return g;
 }
 
-void check_cuda_geometry(std::int64_t head_size, std::int64_t block_size) {
+void check_cuda_build() {
   if (!built_with_cuda())
     fail<NotSupported>("CUDA arrays are not supported by this build of pagedattn (built without CUDA); "
                        "reinstall on a machine with nvcc, or pass host arrays");
+}
+
+void check_cuda_geometry(std::int64_t head_size, std::int64_t block_size) {
+  check_cuda_build();
   detail::check_cuda_sizes(head_size, block_size);
 }
 
@@ -291,18 +299,74 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size) {
                        supported::cuda_block_sizes_str());
 }
 
-void check_decode_choice(int version, int partition_size) {
-  if (version < 0 || version > 2) fail<InvalidArgument>("version: got ", version, ", expected 0 (automatic), 1 or 2");
+void check_decode_choice(DecodeKernel kernel, int partition_size) {
+  if (static_cast<int>(kernel) > static_cast<int>(DecodeKernel::kPartitioned))
+    fail<InvalidArgument>("kernel: got the value ", static_cast<int>(kernel),
+                          ", expected \"auto\", \"single_pass\" or \"partitioned\"");
   if (partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", partition_size);
 }
 
 }  // namespace detail
 
+void check_decode_shape(const DecodeShape& sh, DeviceKind device, const AttentionOptions& opt) {
+  if (sh.num_seqs < 0) fail<InvalidArgument>("num_seqs: must be >= 0, got ", sh.num_seqs);
+  if (sh.num_heads <= 0) fail<InvalidArgument>("query: num_heads must be positive, got ", sh.num_heads);
+  if (sh.head_size <= 0) fail<InvalidArgument>("query: head_size must be positive, got ", sh.head_size);
+  if (sh.num_kv_heads <= 0) fail<InvalidArgument>("key_cache: num_kv_heads must be positive, got ", sh.num_kv_heads);
+  if (sh.block_size <= 0) fail<InvalidArgument>("key_cache: block_size must be positive, got ", sh.block_size);
+  if (sh.max_blocks_per_seq < 0)
+    fail<InvalidArgument>("block_tables: max_blocks_per_seq must be >= 0, got ", sh.max_blocks_per_seq);
+  if (!supported::is_dtype(sh.dtype))
+    fail<TypeMismatch>("query: dtype ", dtype_name(sh.dtype), " is not supported; expected one of ",
+                       supported::dtypes_str());
+  if (sh.num_heads % sh.num_kv_heads != 0)
+    fail<InvalidArgument>("num_heads ", sh.num_heads, " (query) must be a multiple of num_kv_heads ", sh.num_kv_heads,
+                          " (the caches')");
+  if (sh.layout == CacheLayout::kVLLM) {
+    const int x = 16 / static_cast<int>(cache_elem_size(sh.dtype, opt.kv_cache_dtype));
+    if (sh.head_size % x != 0)
+      fail<InvalidArgument>("head_size ", sh.head_size, " does not fit the \"vllm\" layout, which needs a multiple of "
+                            "x = 16 / element size = ", x, " (the \"nhd\" layout takes any head size)");
+  }
+  if (opt.scale && !std::isfinite(*opt.scale)) fail<InvalidArgument>("scale: must be finite, got ", *opt.scale);
+  if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
+    check_positive_scale(opt.k_scale, "k_scale");
+    check_positive_scale(opt.v_scale, "v_scale");
+  }
+  detail::check_decode_choice(opt.kernel, opt.partition_size);
+  if (device == DeviceKind::kCUDA)
+    detail::check_cuda_sizes(sh.head_size, sh.block_size);
+  else
+    check_host_limits(sh.head_size, sh.block_size);
+}
+
+DecodeParams decode_params_of(const DecodeShape& sh, const AttentionOptions& opt) {
+  DecodeParams p;
+  p.num_seqs = sh.num_seqs;
+  p.num_heads = sh.num_heads;
+  p.num_kv_heads = sh.num_kv_heads;
+  p.head_size = sh.head_size;
+  p.block_size = sh.block_size;
+  p.max_blocks_per_seq = sh.max_blocks_per_seq;
+  p.scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(sh.head_size));
+  p.k_scale = opt.k_scale;
+  p.v_scale = opt.v_scale;
+  p.dtype = sh.dtype;
+  p.kv_cache_dtype = opt.kv_cache_dtype;
+  p.layout = sh.layout;
+  p.version = static_cast<int>(opt.kernel);  // 0 auto, 1 single pass, 2 partitioned
+  p.partition_size = opt.partition_size;
+  p.check_block_tables = opt.check_block_tables;
+  p.device_id = sh.device_id;
+  return p;
+}
+
 DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                                 const TensorView& value_cache, const TensorView& block_tables,
-                                const TensorView& seq_lens, const DecodeOptions& opt) {
+                                const TensorView& seq_lens, const AttentionOptions& opt) {
   if (query.device == DeviceKind::kOther)
     fail<TypeMismatch>("query: arrays on this device type are not supported (expected cpu or cuda)");
+  if (query.device == DeviceKind::kCUDA) check_cuda_build();
   check_same_device(query, "query", out, "out");
   check_same_device(query, "query", key_cache, "key_cache");
   check_same_device(query, "query", value_cache, "value_cache");
@@ -320,8 +384,6 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   const CacheGeometry g = check_caches(key_cache, value_cache, query.dtype, opt.kv_cache_dtype);
   if (g.head_size != D)
     fail<InvalidArgument>("key_cache: head_size ", g.head_size, " does not match the query's head_size ", D);
-  if (H % g.num_kv_heads != 0)
-    fail<InvalidArgument>("query: num_heads ", H, " must be a multiple of the caches' num_kv_heads ", g.num_kv_heads);
 
   check_ndim(block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
   check_dtype(block_tables, "block_tables", DType::kInt32);
@@ -339,6 +401,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     if (out.size(d) != query.size(d))
       fail<InvalidArgument>("out: shape ", out.shape_str(), " must equal the query's shape ", query.shape_str());
   check_last_dim_contiguous(out, "out");
+  check_writable(out, "out");
 
   if (opt.alibi_slopes) {
     const TensorView& a = *opt.alibi_slopes;
@@ -355,18 +418,20 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   out_w.disjoint_from(block_tables, "block_tables");
   out_w.disjoint_from(seq_lens, "seq_lens");
   if (opt.alibi_slopes) out_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
-  float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  if (opt.scale) {
-    scale = *opt.scale;
-    if (!std::isfinite(scale)) fail<InvalidArgument>("scale: must be finite, got ", scale);
-  }
-  if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
-    check_positive_scale(opt.k_scale, "k_scale");
-    check_positive_scale(opt.v_scale, "v_scale");
-  }
-  detail::check_decode_choice(opt.version, opt.partition_size);
 
-  DecodeParams p;
+  DecodeShape sh;
+  sh.num_seqs = to_int(S, "num_seqs");
+  sh.num_heads = to_int(H, "num_heads");
+  sh.num_kv_heads = to_int(g.num_kv_heads, "num_kv_heads");
+  sh.head_size = to_int(D, "head_size");
+  sh.block_size = to_int(g.block_size, "block_size");
+  sh.max_blocks_per_seq = to_int(block_tables.size(1), "max_blocks_per_seq");
+  sh.dtype = query.dtype;
+  sh.layout = g.layout;
+  sh.device_id = query.device_id;
+  check_decode_shape(sh, query.device, opt);
+
+  DecodeParams p = decode_params_of(sh, opt);
   p.out = out.data;
   p.o_stride_seq = out.stride(0);
   p.o_stride_head = out.stride(1);
@@ -378,38 +443,23 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.block_tables = block_tables.ptr<const std::int32_t>();
   p.seq_lens = seq_lens.ptr<const std::int32_t>();
   p.alibi_slopes = opt.alibi_slopes ? opt.alibi_slopes->ptr<const float>() : nullptr;
-  p.num_seqs = to_int(S, "num_seqs");
-  p.num_heads = to_int(H, "num_heads");
-  p.num_kv_heads = to_int(g.num_kv_heads, "num_kv_heads");
-  p.head_size = to_int(D, "head_size");
-  p.block_size = to_int(g.block_size, "block_size");
-  p.max_blocks_per_seq = to_int(block_tables.size(1), "max_blocks_per_seq");
   p.num_blocks = g.num_blocks;
-  p.scale = scale;
-  p.k_scale = opt.k_scale;
-  p.v_scale = opt.v_scale;
-  p.dtype = query.dtype;
-  p.kv_cache_dtype = opt.kv_cache_dtype;
-  p.layout = g.layout;
-  p.version = opt.version;
-  p.partition_size = opt.partition_size;
-  p.check_block_tables = opt.check_block_tables;
-  p.device_id = query.device_id;
 
   if (query.device == DeviceKind::kCUDA) {
-    check_cuda_geometry(D, g.block_size);
     if (opt.workspace) {
-      check_same_device(query, "query", *opt.workspace, "workspace");
-      check_contiguous(*opt.workspace, "workspace");
+      const TensorView& ws = *opt.workspace;
+      check_same_device(query, "query", ws, "workspace");
+      check_contiguous(ws, "workspace");
+      check_writable(ws, "workspace");
       const TensorView* inputs[] = {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens};
       const char* names[] = {"out", "query", "key_cache", "value_cache", "block_tables", "seq_lens"};
-      const Written ws_w(*opt.workspace, "workspace");
+      const Written ws_w(ws, "workspace");
       for (int i = 0; i < 6; ++i) ws_w.disjoint_from(*inputs[i], names[i]);
-      p.workspace = opt.workspace->data;
-      p.workspace_bytes = static_cast<std::size_t>(opt.workspace->numel()) * dtype_size(opt.workspace->dtype);
+      if (opt.alibi_slopes) ws_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
+      p.workspace = ws.data;
+      p.workspace_bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
     }
   } else {
-    check_host_limits(D, g.block_size);
     check_decode_indices(p);
   }
   return p;
@@ -470,6 +520,8 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");
   }
+  check_writable(key_cache, "key_cache");
+  check_writable(value_cache, "value_cache");
   const Written kc_w(key_cache, "key_cache"), vc_w(value_cache, "value_cache");
   vc_w.disjoint_from(key_cache, "key_cache");
   for (const Written* cache : {&kc_w, &vc_w}) {

@@ -6,6 +6,8 @@ from . import reference
 from ._api import (
     PreparedDecode,
     built_with_cuda,
+    decode_plan,
+    decode_workspace_size,
     kv_cache_shape,
     paged_attention,
     prepare_decode,
@@ -17,6 +19,8 @@ from ._core import __version__
 __all__ = [
     "__version__",
     "built_with_cuda",
+    "decode_plan",
+    "decode_workspace_size",
     "kv_cache_shape",
     "paged_attention",
     "prepare_decode",

@@ -1,13 +1,9 @@
-"""Whole-block cache operations and the CUDA decode workspace size.
+"""Whole-block cache operations.
 
 - :func:`copy_blocks`: copy blocks inside every cache of a list (every layer's key and
   value caches at once: one launch on CUDA).
 - :func:`swap_blocks`: move blocks between a GPU cache and a (pinned) host cache,
   asynchronously on the stream.
-- :func:`decode_workspace_size`: bytes of CUDA scratch that ``paged_attention`` needs
-  for given shapes; allocate it once (a uint8 device array) and pass it as
-  ``workspace=`` so that calls never allocate (needed inside CUDA graph capture when
-  the internal per-stream pool has not yet seen those shapes).
 
 The same calls work on NumPy (host) arrays.
 """
@@ -20,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._arrays import as_core, dtype_name, is_cuda, resolve_stream
+from ._arrays import as_core, is_cuda, resolve_stream
 
-__all__ = ["copy_blocks", "swap_blocks", "decode_workspace_size", "decode_plan"]
+__all__ = ["copy_blocks", "swap_blocks"]
 
 
 def _mapping(block_mapping: Any, like: Any) -> Any:
@@ -75,62 +71,3 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None) -
     gpu = src if is_cuda(src) else dst
     handle = resolve_stream(stream, gpu) if (stream is not None or is_cuda(gpu)) else 0
     _core.swap_blocks(s, d, mapping, stream=handle)
-
-
-def decode_workspace_size(
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    max_blocks_per_seq: int,
-    dtype: Any,
-    *,
-    kv_cache_dtype: str = "auto",
-    layout: str = "vllm",
-    version: int = 0,
-    partition_size: int = 0,
-    device: int = 0,
-) -> int:
-    """Bytes of CUDA scratch ``paged_attention`` needs for these shapes and options.
-
-    0 means the single-pass kernel runs and no workspace is used. The size depends only
-    on these host-known sizes (never on ``seq_lens``), so one buffer of this size serves
-    every later call with the same shapes, including graph replays.
-    """
-    return int(_decode_query(_core.decode_workspace_size, locals()))
-
-
-def decode_plan(
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    max_blocks_per_seq: int,
-    dtype: Any,
-    *,
-    kv_cache_dtype: str = "auto",
-    layout: str = "vllm",
-    version: int = 0,
-    partition_size: int = 0,
-    device: int = 0,
-) -> dict:
-    """How ``paged_attention`` runs on CUDA for these shapes and options.
-
-    Same arguments and errors as :func:`decode_workspace_size`. Returns a dict:
-    ``num_partitions`` and ``partition_size`` (tokens) along the context,
-    ``reduce_kernel`` (True: partial results go to scratch and a second kernel merges
-    them), ``head_tiles`` (CTAs per KV head along its query heads), ``ctas`` (the decode
-    grid) and ``workspace_bytes``.
-    Like the workspace size it depends only on host-known sizes, never on ``seq_lens``.
-    """
-    return dict(_decode_query(_core.decode_plan, locals()))
-
-
-def _decode_query(fn: Any, a: dict) -> Any:
-    """Calls a C++ workspace / plan query with the arguments of decode_workspace_size."""
-    sizes = [int(a[k]) for k in ("num_seqs", "num_heads", "num_kv_heads", "head_size", "block_size",
-                                 "max_blocks_per_seq")]  # fmt: skip
-    return fn(*sizes, dtype_name(a["dtype"]), a["kv_cache_dtype"], a["layout"], int(a["version"]),
-              int(a["partition_size"]), int(a["device"]))  # fmt: skip

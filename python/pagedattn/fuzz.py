@@ -310,7 +310,7 @@ def make_decode_problem(d: Draw) -> DecodeProblem:
     if d.bool(0.3):
         kw["alibi_slopes"] = (2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32) * d.choice([1, -1])
     if d.bool(0.2):  # CUDA-only options are accepted and ignored on the CPU
-        kw.update(version=d.int(0, 2), partition_size=d.choice([0, 256, 512]),
+        kw.update(kernel=d.choice(["auto", "single_pass", "partitioned"]), partition_size=d.choice([0, 256, 512]),
                   check_block_tables=d.bool())  # fmt: skip
     return DecodeProblem(q, kc, vc, tables, np.asarray(lens, np.int32), kw, dtype, B, N)
 
@@ -441,8 +441,10 @@ def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
         which = d.choice(["k_scale", "v_scale"])
         m.append((f"{which} {bad}", setkw(**{which: bad}), (ValueError,), None))
         m.append(("auto with uint8 caches", setkw(kv_cache_dtype="auto"), (TypeError,), None))
-    m.append(("version", setkw(version=d.choice([-1, 3, 100])), (ValueError,), None))
-    m.append(("version huge", setkw(version=2**40), (TypeError,), None))
+    m.append(("kernel", setkw(kernel=d.choice(["v2", "", "SINGLE_PASS"])), (ValueError,), None))
+    m.append(("kernel not a str", setkw(kernel=d.choice([2, None, 1.0])), (TypeError,), None))
+    m.append(("partition_size huge", setkw(partition_size=d.choice([2**40, -(2**31) - 1])), (ValueError,), None))
+    m.append(("unknown keyword", setkw(version=2), (TypeError,), None))
     m.append(("partition_size negative", setkw(partition_size=-16), (ValueError,), None))
     m.append(("stream str", setkw(stream="default"), (TypeError,), None))
     m.append(("stream negative", setkw(stream=-1), (TypeError,), None))
@@ -896,7 +898,8 @@ def fuzz_decode_workspace_size(d: Draw) -> Outcome:
     args = [d.choice(vals) for _ in range(6)]
     dtype = d.choice(["float16", "bfloat16", "float32", "float64", "nope"])
     kw = dict(kv_cache_dtype=d.choice(["auto", "fp8", "x"]), layout=d.choice(["vllm", "nhd", "x"]),
-              version=d.choice([0, 1, 2, 5]), partition_size=d.choice([0, 512, -1]))  # fmt: skip
+              kernel=d.choice(["auto", "single_pass", "partitioned", "v5"]),
+              partition_size=d.choice([0, 512, -1]))  # fmt: skip
     label = f"decode_workspace_size({args}, {dtype}, {kw})"
     try:
         r = pagedattn.decode_workspace_size(*args, dtype, **kw)

@@ -1,13 +1,17 @@
-// Bindings of the decode attention and cache-write API.
-#include <nanobind/stl/optional.h>
+// Bindings of the attention and cache-write API: pagedattn.paged_attention,
+// prepare_decode / PreparedDecode, reshape_and_cache, the workspace and plan queries,
+// kv_cache_shape and supported(). Each is one crossing from Python: the arrays, the output,
+// the stream and the options are all converted here (call_args.hpp, call_options.hpp).
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 
+#include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "bindings.hpp"
-#include "exchange.hpp"
-#include "ndarray.hpp"
+#include "call_args.hpp"
+#include "call_options.hpp"
 #include "pagedattn/attention.hpp"
 
 namespace nb = nanobind;
@@ -16,16 +20,72 @@ using namespace nb::literals;
 namespace pagedattn::py {
 namespace {
 
-// NumPy has no bfloat16; the Python layer passes ml_dtypes.bfloat16 arrays as uint16
-// views and sets the argument's bit in `bf16_mask` so the core sees bfloat16.
-template <class Array>
-TensorView view_arg(const Array& a, unsigned mask, int bit) {
-  TensorView v = to_view(a);
-  if ((mask >> bit) & 1u) {
-    if (v.dtype != DType::kUInt16) fail<TypeMismatch>("internal: bfloat16 view expected as uint16");
-    v.dtype = DType::kBFloat16;
+// Indices of a decode call's arrays in its CallArrays.
+enum { kQuery, kKeyCache, kValueCache, kBlockTables, kSeqLens };
+
+// Converts a decode call's arrays into `a` and completes `kw.options` with them and the
+// stream; returns the index of the output (allocated like the query when the call passes
+// none, after the shapes that size it are known to agree).
+int convert_decode(CallArrays& a, nb::handle query, nb::handle key_cache, nb::handle value_cache,
+                   nb::handle block_tables, nb::handle seq_lens, CallKeywords& kw) {
+  a.add(query, "query");
+  a.add(key_cache, "key_cache");
+  a.add(value_cache, "value_cache");
+  a.add(block_tables, "block_tables");
+  a.add(seq_lens, "seq_lens");
+  const int alibi = a.add_optional(kw.alibi_slopes, "alibi_slopes");
+  const int ws = a.add_optional(kw.workspace, "workspace", /*written=*/true);
+  if (alibi >= 0) kw.options.alibi_slopes = a[alibi];
+  if (ws >= 0) kw.options.workspace = a[ws];
+  kw.options.stream = a.stream(kw.stream, kQuery);
+  if (!kw.out.is_none()) return a.add(kw.out, "out", /*written=*/true);
+  const TensorView& q = a[kQuery];
+  const TensorView &bt = a[kBlockTables], &sl = a[kSeqLens];
+  if (q.ndim != 3 || bt.ndim < 1 || sl.ndim < 1 || bt.shape[0] != q.shape[0] || sl.shape[0] != q.shape[0]) {
+    // The validation pass names what is wrong (the query's own shape, or an index array
+    // that disagrees with it) before anything is allocated.
+    PreparedDecode check(q, q, a[kKeyCache], a[kValueCache], bt, sl, kw.options);
   }
-  return v;
+  return a.add_empty_like(kQuery, "out");
+}
+
+// A prepared decode from Python: the validated call and every array it reads, held for
+// the object's lifetime (so a run can never outlive its arrays).
+struct PreparedCall {
+  std::unique_ptr<CallArrays> arrays;
+  std::optional<PreparedDecode> call;
+  int out = -1;
+
+  nb::object run(nb::handle stream) const {
+    if (stream.is_none()) {
+      nb::gil_scoped_release release;
+      call->run();
+    } else {
+      void* handle = stream_handle(stream);
+      nb::gil_scoped_release release;
+      call->run(handle);
+    }
+    return arrays->result(out);
+  }
+};
+
+DType dtype_arg(nb::handle dtype, const char* name) {
+  std::string text;
+  if (PyUnicode_Check(dtype.ptr())) {
+    text = nb::cast<std::string>(dtype);
+  } else {
+    text = nb::cast<std::string>(nb::str(dtype));
+    if (text.rfind("torch.", 0) == 0) {
+      text = text.substr(6);
+    } else {
+      try {  // NumPy dtypes and scalar types (numpy.float16, ml_dtypes.bfloat16, ...)
+        text = nb::cast<std::string>(nb::module_::import_("numpy").attr("dtype")(dtype).attr("name"));
+      } catch (const nb::python_error&) {
+        fail<TypeMismatch>(name, ": expected a dtype (a name, a NumPy or torch dtype), got ", text);
+      }
+    }
+  }
+  return parse_dtype(text, name);
 }
 
 nb::tuple shape_tuple(const Shape& s, int n) {
@@ -34,261 +94,222 @@ nb::tuple shape_tuple(const Shape& s, int n) {
   return nb::tuple(l);
 }
 
-// The scalar options of a decode call (the array options are set by the caller).
-DecodeOptions decode_options(std::optional<float> scale, const std::string& kv_cache_dtype, float k_scale,
-                             float v_scale, int version, int partition_size, bool check_block_tables, void* stream) {
-  DecodeOptions opt;
-  opt.scale = scale;
-  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-  opt.k_scale = k_scale;
-  opt.v_scale = v_scale;
-  opt.version = version;
-  opt.partition_size = partition_size;
-  opt.check_block_tables = check_block_tables;
-  opt.stream = stream;
-  return opt;
+DecodeShape decode_shape(nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
+                         nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype,
+                         nb::handle layout, nb::handle device) {
+  DecodeShape s;
+  s.num_seqs = int_arg(num_seqs, "num_seqs");
+  s.num_heads = int_arg(num_heads, "num_heads");
+  s.num_kv_heads = int_arg(num_kv_heads, "num_kv_heads");
+  s.head_size = int_arg(head_size, "head_size");
+  s.block_size = int_arg(block_size, "block_size");
+  s.max_blocks_per_seq = int_arg(max_blocks_per_seq, "max_blocks_per_seq");
+  s.dtype = dtype_arg(dtype, "dtype");
+  s.layout = parse_layout(str_arg(layout, "layout"));
+  s.device_id = int_arg(device, "device");
+  return s;
 }
 
-// The stream of an exchange-path call: an int handle as given, else (None) the current
-// stream the producer reports for `like`'s device. False: the general path must run.
-bool exchange_stream(nb::handle stream, const exchange::Api* api, const TensorView& like, void** out) {
-  if (stream.is_none()) return exchange::current_stream(api, like, out);
-  if (!PyLong_CheckExact(stream.ptr())) return false;
-  *out = to_stream(nb::cast<std::uintptr_t>(stream));
-  return true;
+std::string doc(const char* head, unsigned set, const char* tail = "") {
+  return detail::concat(head, "\n\nKeyword options:\n", keyword_docs(set), tail);
 }
 
-// The arguments of one decode call, converted to views once.
-struct DecodeCall {
-  TensorView out, query, key_cache, value_cache, block_tables, seq_lens, alibi, ws;
-  DecodeOptions opt;
-  DecodeCall(const AnyMutArray& out_, const AnyArray& query_, const AnyArray& key_cache_, const AnyArray& value_cache_,
-             const AnyArray& block_tables_, const AnyArray& seq_lens_, std::optional<float> scale,
-             const std::optional<AnyArray>& alibi_slopes, const std::string& kv_cache_dtype, float k_scale,
-             float v_scale, int version, int partition_size, const std::optional<AnyArray>& workspace,
-             bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask)
-      : out(view_arg(out_, bf16_mask, 0)),
-        query(view_arg(query_, bf16_mask, 1)),
-        key_cache(view_arg(key_cache_, bf16_mask, 2)),
-        value_cache(view_arg(value_cache_, bf16_mask, 3)),
-        block_tables(to_view(block_tables_)),
-        seq_lens(to_view(seq_lens_)),
-        opt(decode_options(scale, kv_cache_dtype, k_scale, v_scale, version, partition_size, check_block_tables,
-                           to_stream(stream))) {
-    if (alibi_slopes) {
-      alibi = to_view(*alibi_slopes);
-      opt.alibi_slopes = &alibi;
-    }
-    if (workspace) {
-      ws = to_view(*workspace);
-      opt.workspace = &ws;
-    }
-  }
-  DecodeCall(const DecodeCall&) = delete;
-};
-
-// The arrays' Python objects are kept alive by the Python wrapper (pagedattn.PreparedDecode),
-// which also hands over the object `run` returns and its stream resolver (attach).
-struct PreparedDecode {
-  DecodeParams params;
-  DeviceKind device;
-  void* stream;
-  nb::object result;   // the caller's output array
-  nb::object resolve;  // resolve_stream(stream, like) -> int, for a stream that is not an int
-};
-
-#define DECODE_ARGS                                                                                              \
-  "out"_a.noconvert(), "query"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),            \
-      "block_tables"_a.noconvert(), "seq_lens"_a.noconvert(), "scale"_a.none(), "alibi_slopes"_a.none(),          \
-      "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "version"_a = 0, "partition_size"_a = 0, \
-      "workspace"_a.none() = nb::none(), "check_block_tables"_a = false, "stream"_a = 0, "bf16_mask"_a = 0u
-
-// Eager decode with every array converted through its type's DLPack exchange table
-// (no Python-level call per array, the stream from the producer): the fast path of
-// pagedattn.paged_attention. Returns None, having done nothing, when an array's type
-// offers no table or the producer refuses it; the caller then takes the general path
-// (which also gives the error messages for the cases skipped here).
-nb::object decode_exchange(nb::handle out, nb::handle query, nb::handle key_cache, nb::handle value_cache,
-                           nb::handle block_tables, nb::handle seq_lens, std::optional<float> scale,
-                           nb::handle alibi_slopes, const std::string& kv_cache_dtype, float k_scale, float v_scale,
-                           int version, int partition_size, nb::handle workspace, bool check_block_tables,
-                           nb::handle stream) {
-  enum { kQ, kK, kV, kBT, kSL, kOpt };
-  exchange::Arrays a;
-  for (nb::handle h : {query, key_cache, value_cache, block_tables, seq_lens})
-    if (!a.add(h.ptr())) return nb::none();
-  int i_out = -1, i_alibi = -1, i_ws = -1, n = kOpt;
-  for (auto [h, idx] : {std::pair<nb::handle, int*>{out, &i_out}, {alibi_slopes, &i_alibi}, {workspace, &i_ws}}) {
-    if (h.is_none()) continue;
-    if (!a.add(h.ptr())) return nb::none();
-    *idx = n++;
-  }
-  const TensorView& q = a[kQ];
-  void* handle = nullptr;
-  if (!exchange_stream(stream, a.api(kQ), q, &handle)) return nb::none();
-
-  nb::object result;
-  TensorView o;
-  if (i_out >= 0) {
-    if (a.read_only(i_out)) return nb::none();
-    result = nb::borrow(out);
-    o = a[i_out];
-  } else {
-    // Allocate only for a query whose sequence count the index arrays agree with (the
-    // general path reports the mismatch before it allocates anything).
-    if (q.ndim != 3 || a[kBT].ndim < 1 || a[kSL].ndim < 1 || a[kBT].shape[0] != q.shape[0] ||
-        a[kSL].shape[0] != q.shape[0])
-      return nb::none();
-    PyObject* fresh = exchange::allocate_like(a.api(kQ), q, &o);
-    if (fresh == nullptr) return nb::none();
-    result = nb::steal(fresh);
-  }
-  DecodeOptions opt =
-      decode_options(scale, kv_cache_dtype, k_scale, v_scale, version, partition_size, check_block_tables, handle);
-  if (i_alibi >= 0) opt.alibi_slopes = &a[i_alibi];
-  if (i_ws >= 0) opt.workspace = &a[i_ws];
-  {
-    nb::gil_scoped_release release;
-    paged_attention(o, q, a[kK], a[kV], a[kBT], a[kSL], opt);
-  }
-  return result;
-}
-
-// reshape_and_cache through the exchange tables; False when the general path must run.
-bool cache_write_exchange(nb::handle key, nb::handle value, nb::handle key_cache, nb::handle value_cache,
-                          nb::handle slot_mapping, const std::string& kv_cache_dtype, float k_scale, float v_scale,
-                          nb::handle stream) {
-  exchange::Arrays a;
-  for (nb::handle h : {key, value, key_cache, value_cache, slot_mapping})
-    if (!a.add(h.ptr())) return false;
-  void* handle = nullptr;
-  if (a.read_only(2) || a.read_only(3) || !exchange_stream(stream, a.api(0), a[0], &handle)) return false;
-  CacheWriteOptions opt;
-  opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-  opt.k_scale = k_scale;
-  opt.v_scale = v_scale;
-  opt.stream = handle;
-  nb::gil_scoped_release release;
-  reshape_and_cache(a[0], a[1], a[2], a[3], a[4], opt);
-  return true;
-}
+constexpr const char* kDecodeDoc =
+    "Paged attention of one new query token per sequence over its paged KV cache (decode).\n\n"
+    "Shapes (S sequences, H query heads, K KV heads, D head size, B block size, N blocks,\n"
+    "M max blocks per sequence, x = 16 / element size of the cache):\n"
+    "    query        [S, H, D]; may be strided in its first two dimensions\n"
+    "    key_cache    layout 'vllm' [N, K, D/x, B, x] or 'nhd' [N, B, K, D]; C-contiguous\n"
+    "    value_cache  layout 'vllm' [N, K, D, B] or 'nhd' [N, B, K, D]; C-contiguous\n"
+    "    block_tables int32 [S, M]; seq_lens int32 [S]\n"
+    "Query head h reads KV head h // (H // K). A sequence of length 0 yields zeros. Returns\n"
+    "`out` when given, else a new array of the query's kind, dtype and device. Any DLPack\n"
+    "array works (NumPy, PyTorch, CuPy, JAX), on the CPU or one CUDA device.";
 
 }  // namespace
 
 void bind_attention(nb::module_& m) {
-  m.def("paged_attention_exchange", &decode_exchange, "out"_a.none(), "query"_a, "key_cache"_a, "value_cache"_a,
-        "block_tables"_a, "seq_lens"_a, "scale"_a.none(), "alibi_slopes"_a.none(), "kv_cache_dtype"_a, "k_scale"_a,
-        "v_scale"_a, "version"_a, "partition_size"_a, "workspace"_a.none(), "check_block_tables"_a, "stream"_a.none(),
-        "Decode through the DLPack C exchange API; None when an argument's type does not offer it.");
-  m.def("reshape_and_cache_exchange", &cache_write_exchange, "key"_a, "value"_a, "key_cache"_a, "value_cache"_a,
-        "slot_mapping"_a, "kv_cache_dtype"_a, "k_scale"_a, "v_scale"_a, "stream"_a.none(),
-        "Cache write through the DLPack C exchange API; False when an argument's type does not offer it.");
-  m.def("exchange_api_available", [](nb::handle obj) { return exchange::api_of(obj.ptr()) != nullptr; }, "obj"_a,
-        "Whether the type of `obj` offers the DLPack C exchange API (`__dlpack_c_exchange_api__`).");
-
+  static const std::string decode_sig = detail::concat(
+      "def paged_attention(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, ",
+      keyword_signature(kDecodeCall), ") -> Any");
+  static const std::string decode_doc = doc(kDecodeDoc, kDecodeCall);
   m.def(
       "paged_attention",
-      [](AnyMutArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache, AnyArray block_tables,
-         AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
-         const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
-         std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
-        DecodeCall c(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_cache_dtype,
-                     k_scale, v_scale, version, partition_size, workspace, check_block_tables, stream, bf16_mask);
-        nb::gil_scoped_release release;
-        paged_attention(c.out, c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, c.opt);
+      [](nb::handle query, nb::handle key_cache, nb::handle value_cache, nb::handle block_tables, nb::handle seq_lens,
+         nb::kwargs kwargs) -> nb::object {
+        CallKeywords kw;
+        parse_keywords("paged_attention", kDecodeCall, kwargs, &kw);
+        CallArrays a;
+        const int out = convert_decode(a, query, key_cache, value_cache, block_tables, seq_lens, kw);
+        {
+          nb::gil_scoped_release release;
+          paged_attention(a[out], a[kQuery], a[kKeyCache], a[kValueCache], a[kBlockTables], a[kSeqLens], kw.options);
+        }
+        return a.result(out);
       },
-      DECODE_ARGS, "Low-level decode entry point (validated in C++). Use pagedattn.paged_attention.");
+      "query"_a, "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a, "kwargs"_a,
+      nb::sig(decode_sig.c_str()), decode_doc.c_str());
 
-  nb::class_<PreparedDecode>(m, "PreparedDecode",
-                             "A decode validated once and launched many times (use pagedattn.prepare_decode).")
+  static const std::string prepared_sig = detail::concat(
+      "def __init__(self, query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, ",
+      keyword_signature(kDecodeCall), ") -> None");
+  nb::class_<PreparedCall>(m, "PreparedDecode",
+                           "A paged_attention call validated once and launched many times with run().\n\n"
+                           "It holds every array of the call (not copies): change the contents of query,\n"
+                           "block_tables, seq_lens and the caches in place between runs, never their shapes.\n"
+                           "On the GPU a run launches with no conversion (the lowest host cost per step, and\n"
+                           "the form to capture in a CUDA graph); on the CPU the index contents are checked\n"
+                           "again on every run.")
       .def(
           "__init__",
-          [](PreparedDecode* self, AnyMutArray out, AnyArray query, AnyArray key_cache, AnyArray value_cache,
-             AnyArray block_tables, AnyArray seq_lens, std::optional<float> scale, std::optional<AnyArray> alibi_slopes,
-             const std::string& kv_cache_dtype, float k_scale, float v_scale, int version, int partition_size,
-             std::optional<AnyArray> workspace, bool check_block_tables, std::uintptr_t stream, unsigned bf16_mask) {
-            DecodeCall c(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                         kv_cache_dtype, k_scale, v_scale, version, partition_size, workspace, check_block_tables,
-                         stream, bf16_mask);
-            new (self) PreparedDecode{make_decode_params(c.out, c.query, c.key_cache, c.value_cache, c.block_tables,
-                                                         c.seq_lens, c.opt),
-                                      c.query.device, c.opt.stream};
-          },
-          DECODE_ARGS)
-      .def(
-          "attach",
-          [](PreparedDecode& self, nb::object result, nb::object resolve) {
-            self.result = std::move(result);
-            self.resolve = std::move(resolve);
-          },
-          "result"_a, "resolve"_a, "Sets the object `run` returns and the resolver of non-int stream arguments.")
-      .def(
-          "run",
-          [](const PreparedDecode& self, nb::handle stream) -> nb::object {
-            // The whole per-step path from Python: no Python frame, no conversion.
-            void* handle = self.stream;
-            if (!stream.is_none()) {
-              nb::object h = PyLong_CheckExact(stream.ptr()) || !self.resolve.is_valid()
-                                 ? nb::borrow(stream)
-                                 : self.resolve(stream, self.result);
-              std::uintptr_t v = 0;
-              if (!nb::try_cast(h, v))
-                throw nb::type_error("stream: expected a non-negative int handle or an object with __cuda_stream__");
-              handle = to_stream(v);
+          [](PreparedCall* self, nb::handle query, nb::handle key_cache, nb::handle value_cache,
+             nb::handle block_tables, nb::handle seq_lens, nb::kwargs kwargs) {
+            CallKeywords kw;
+            parse_keywords("prepare_decode", kDecodeCall, kwargs, &kw);
+            auto arrays = std::make_unique<CallArrays>();
+            CallArrays& a = *arrays;
+            const int out = convert_decode(a, query, key_cache, value_cache, block_tables, seq_lens, kw);
+            PreparedCall* p = new (self) PreparedCall{std::move(arrays), std::nullopt, out};
+            try {
+              p->call.emplace(a[out], a[kQuery], a[kKeyCache], a[kValueCache], a[kBlockTables], a[kSeqLens],
+                              kw.options);
+            } catch (...) {
+              p->~PreparedCall();
+              throw;
             }
-            {
-              nb::gil_scoped_release release;
-              run_decode(self.params, self.device, handle);
-            }
-            return self.result.is_valid() ? self.result : nb::none();
           },
-          "stream"_a = nb::none(),
-          "Launches the prepared decode (on `stream`, else the one given when prepared); returns the output.");
+          "query"_a, "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a, "kwargs"_a,
+          nb::sig(prepared_sig.c_str()))
+      .def("run", &PreparedCall::run, "stream"_a = nb::none(),
+           "Launches the prepared decode (on `stream`, else the one resolved when prepared); returns out.")
+      .def("__call__", &PreparedCall::run, "stream"_a = nb::none(), "Same as run().")
+      .def_prop_ro(
+          "out", [](const PreparedCall& self) { return self.arrays->result(self.out); },
+          "The output array the runs write.");
 
+  static const std::string write_sig = detail::concat(
+      "def reshape_and_cache(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any, ",
+      keyword_signature(kCacheWrite), ") -> None");
+  static const std::string write_doc =
+      doc("Writes key / value [T, K, D] into their cache slots, in place.\n\n"
+          "slot_mapping int32 or int64 [T]: slot = block * B + offset; negative slots mark padding and are\n"
+          "skipped. Works with both cache layouts; with an fp8 kv_cache_dtype the values are stored as\n"
+          "value / scale, saturated.",
+          kCacheWrite);
   m.def(
       "reshape_and_cache",
-      [](AnyArray key, AnyArray value, AnyMutArray key_cache, AnyMutArray value_cache, AnyArray slot_mapping,
-         const std::string& kv_cache_dtype, float k_scale, float v_scale, std::uintptr_t stream, unsigned bf16_mask) {
-        const TensorView k = view_arg(key, bf16_mask, 0), v = view_arg(value, bf16_mask, 1),
-                         kc = view_arg(key_cache, bf16_mask, 2), vc = view_arg(value_cache, bf16_mask, 3);
-        const TensorView sm = to_view(slot_mapping);
+      [](nb::handle key, nb::handle value, nb::handle key_cache, nb::handle value_cache, nb::handle slot_mapping,
+         nb::kwargs kwargs) {
+        CallKeywords kw;
+        parse_keywords("reshape_and_cache", kCacheWrite, kwargs, &kw);
+        CallArrays a;
+        a.add(key, "key");
+        a.add(value, "value");
+        a.add(key_cache, "key_cache", /*written=*/true);
+        a.add(value_cache, "value_cache", /*written=*/true);
+        a.add(slot_mapping, "slot_mapping");
         CacheWriteOptions opt;
-        opt.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-        opt.k_scale = k_scale;
-        opt.v_scale = v_scale;
-        opt.stream = to_stream(stream);
+        opt.kv_cache_dtype = kw.options.kv_cache_dtype;
+        opt.k_scale = kw.options.k_scale;
+        opt.v_scale = kw.options.v_scale;
+        opt.stream = a.stream(kw.stream, 0);
         nb::gil_scoped_release release;
-        reshape_and_cache(k, v, kc, vc, sm, opt);
+        reshape_and_cache(a[0], a[1], a[2], a[3], a[4], opt);
       },
-      "key"_a.noconvert(), "value"_a.noconvert(), "key_cache"_a.noconvert(), "value_cache"_a.noconvert(),
-      "slot_mapping"_a.noconvert(), "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
-      "stream"_a = 0, "bf16_mask"_a = 0u,
-      "Low-level cache-write entry point (validated in C++). Use pagedattn.reshape_and_cache.");
+      "key"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a, "kwargs"_a, nb::sig(write_sig.c_str()),
+      write_doc.c_str());
+
+  static const std::string query_args =
+      "num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, max_blocks_per_seq: int, "
+      "dtype: Any, layout: str = 'vllm', device: int = 0, ";
+  static const std::string ws_sig = detail::concat("def decode_workspace_size(", query_args,
+                                                   keyword_signature(kDecodeQuery), ") -> int");
+  static const std::string ws_doc =
+      doc("Bytes of CUDA scratch paged_attention needs for these sizes and options (0: the single-pass\n"
+          "kernel runs and no workspace is used).\n\n"
+          "The size depends only on these host-known sizes (never on seq_lens), so one buffer of this size\n"
+          "serves every later call with the same sizes, including graph replays. The checks and errors are\n"
+          "paged_attention's for everything the sizes and options decide.",
+          kDecodeQuery);
+  static const std::string plan_sig =
+      detail::concat("def decode_plan(", query_args, keyword_signature(kDecodeQuery), ") -> dict");
+  static const std::string plan_doc =
+      doc("How paged_attention runs on CUDA for these sizes and options (same arguments and errors as\n"
+          "decode_workspace_size). Returns a dict: num_partitions and partition_size (tokens) along the\n"
+          "context, reduce_kernel (True: partial results go to scratch and a second kernel merges them),\n"
+          "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), workspace_bytes.",
+          kDecodeQuery);
+  m.def(
+      "decode_workspace_size",
+      [](nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
+         nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype, nb::handle layout, nb::handle device,
+         nb::kwargs kwargs) {
+        CallKeywords kw;
+        parse_keywords("decode_workspace_size", kDecodeQuery, kwargs, &kw);
+        return decode_workspace_size(decode_shape(num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                                                  max_blocks_per_seq, dtype, layout, device),
+                                     kw.options);
+      },
+      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
+      "dtype"_a, "layout"_a = "vllm", "device"_a = 0, "kwargs"_a, nb::sig(ws_sig.c_str()), ws_doc.c_str());
+  m.def(
+      "decode_plan",
+      [](nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
+         nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype, nb::handle layout, nb::handle device,
+         nb::kwargs kwargs) {
+        CallKeywords kw;
+        parse_keywords("decode_plan", kDecodeQuery, kwargs, &kw);
+        const DecodePlanInfo i = decode_plan(decode_shape(num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                                                          max_blocks_per_seq, dtype, layout, device),
+                                             kw.options);
+        nb::dict d;
+        d["num_partitions"] = i.num_partitions;
+        d["partition_size"] = i.partition_size;
+        d["reduce_kernel"] = i.reduce_kernel;
+        d["head_tiles"] = i.head_tiles;
+        d["ctas"] = i.ctas;
+        d["workspace_bytes"] = i.workspace_bytes;
+        return d;
+      },
+      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
+      "dtype"_a, "layout"_a = "vllm", "device"_a = 0, "kwargs"_a, nb::sig(plan_sig.c_str()), plan_doc.c_str());
 
   m.def(
       "kv_cache_shape",
-      [](std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads, std::int64_t head_size,
-         const std::string& dtype, const std::string& layout) {
-        const DType t = parse_dtype(dtype);
+      [](nb::handle num_blocks, nb::handle block_size, nb::handle num_kv_heads, nb::handle head_size,
+         nb::handle dtype, nb::handle layout) {
+        const std::int64_t nb_ = int64_arg(num_blocks, "num_blocks"), bs = int64_arg(block_size, "block_size"),
+                           kh = int64_arg(num_kv_heads, "num_kv_heads"), hs = int64_arg(head_size, "head_size");
+        const DType t = dtype_arg(dtype, "dtype");
         if (t != DType::kFloat32 && t != DType::kFloat16 && t != DType::kBFloat16 && t != DType::kUInt8)
           fail<TypeMismatch>("dtype: ", dtype_name(t), " is not a cache dtype; expected ", supported::dtypes_str(),
                              " or an fp8 / uint8 name");
-        const CacheShapes s =
-            kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, dtype_size(t), parse_layout(layout));
+        const CacheShapes s = kv_cache_shape(nb_, bs, kh, hs, dtype_size(t), parse_layout(str_arg(layout, "layout")));
         return nb::make_tuple(shape_tuple(s.key, s.key_ndim), shape_tuple(s.value, s.value_ndim));
       },
-      "num_blocks"_a, "block_size"_a, "num_kv_heads"_a, "head_size"_a, "dtype"_a, "layout"_a = "vllm");
+      "num_blocks"_a, "block_size"_a, "num_kv_heads"_a, "head_size"_a, "dtype"_a, "layout"_a = "vllm",
+      nb::sig("def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: Any, "
+              "layout: str = 'vllm') -> tuple[tuple[int, ...], tuple[int, ...]]"),
+      "(key_shape, value_shape) of a paged KV cache.\n\n"
+      "dtype is the cache element type: a NumPy dtype or scalar type, a torch dtype, or a name\n"
+      "('float32', 'float16', 'bfloat16', 'uint8', 'fp8_e4m3', 'fp8_e5m2'). layout is 'vllm' or 'nhd'.");
 
+  m.def("exchange_api_available", [](nb::handle obj) { return exchange::api_of(obj.ptr()) != nullptr; }, "obj"_a,
+        "Whether the type of `obj` offers the DLPack C exchange API (`__dlpack_c_exchange_api__`).");
   m.def("num_threads", &cpu_num_threads, "Threads used by the CPU backend (PAGEDATTN_NUM_THREADS overrides).");
   m.def("supported", []() {
     nb::dict d;
-    nb::list dts, hs, bs;
+    nb::list dts, kvs, hs, bs, kernels;
     for (DType t : supported::kDTypes) dts.append(dtype_name(t));
+    for (KVCacheDType k : supported::kKVCacheDTypes) kvs.append(kv_cache_dtype_name(k));
     for (int h : supported::kCudaHeadSizes) hs.append(h);
     for (int b : supported::kCudaBlockSizes) bs.append(b);
+    for (DecodeKernel k : {DecodeKernel::kAuto, DecodeKernel::kSinglePass, DecodeKernel::kPartitioned})
+      kernels.append(decode_kernel_name(k));
     d["dtypes"] = dts;
-    d["kv_cache_dtypes"] = nb::make_tuple("auto", "fp8_e4m3", "fp8_e5m2");
-    d["layouts"] = nb::make_tuple("vllm", "nhd");
+    d["kv_cache_dtypes"] = nb::tuple(kvs);
+    d["layouts"] = nb::make_tuple(layout_name(CacheLayout::kVLLM), layout_name(CacheLayout::kNHD));
+    d["kernels"] = nb::tuple(kernels);
     d["cuda_head_sizes"] = hs;
     d["cuda_head_size_align"] = supported::kCudaHeadSizeAlign;
     d["cuda_max_head_size"] = supported::kCudaMaxHeadSize;
@@ -296,7 +317,8 @@ void bind_attention(nb::module_& m) {
     d["cpu_max_head_size"] = supported::kCpuMaxHeadSize;
     d["cpu_max_block_size"] = supported::kCpuMaxBlockSize;
     return d;
-  }, "The supported dtypes, layouts, head sizes and block sizes (one list the whole library reads).");
+  }, "The supported dtypes, kv-cache dtypes, layouts, kernels, head sizes and block sizes (read from the one list in "
+     "supported.hpp).");
 }
 
 }  // namespace pagedattn::py

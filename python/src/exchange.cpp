@@ -116,39 +116,30 @@ bool current_stream(const Api* api, const TensorView& v, void** stream) {
   return true;
 }
 
-Arrays::~Arrays() {
-  for (int i = 0; i < n_; ++i)
-    if (owned_[i] != nullptr && owned_[i]->deleter != nullptr) owned_[i]->deleter(owned_[i]);
-}
-
-bool Arrays::add(PyObject* obj) {
-  if (n_ >= kMax) return false;
-  const Api* api = api_of(obj);
-  if (api == nullptr) return false;
-  DLManagedTensorVersioned* m = nullptr;
+bool convert(const Api* api, PyObject* obj, TensorView* view, DLManagedTensorVersioned** owned) {
+  *owned = nullptr;
   if (api->dltensor_from_py_object_no_sync != nullptr) {
     DLTensor t{};
     if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
       PyErr_Clear();
       return false;
     }
-    new (&slots_[n_].view) TensorView(from_dlpack(t));  // shape and strides copied while guaranteed
-  } else {
-    if (api->managed_tensor_from_py_object_no_sync(obj, &m) != 0 || m == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    try {
-      new (&slots_[n_].view) TensorView(from_dlpack(m->dl_tensor));
-    } catch (...) {
-      if (m->deleter != nullptr) m->deleter(m);
-      throw;
-    }
-    if ((m->flags & kFlagReadOnly) != 0) read_only_ |= 1u << n_;
+    *view = from_dlpack(t);  // shape and strides copied while guaranteed
+    return true;
   }
-  owned_[n_] = m;
-  apis_[n_] = api;
-  ++n_;
+  DLManagedTensorVersioned* m = nullptr;
+  if (api->managed_tensor_from_py_object_no_sync(obj, &m) != 0 || m == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  try {
+    *view = from_dlpack(m->dl_tensor);
+  } catch (...) {
+    release(m);
+    throw;
+  }
+  view->read_only = (m->flags & kFlagReadOnly) != 0;
+  *owned = m;
   return true;
 }
 

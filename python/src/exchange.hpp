@@ -1,8 +1,8 @@
 // The DLPack C exchange protocol (`__dlpack_c_exchange_api__`, DLPack 1.3): a producer
 // type (torch.Tensor since torch 2.11, ...) offers a table of C functions that convert
 // its arrays to DLTensors and report the current stream of a device, with no
-// Python-level call. The eager entry points use it when every array offers it (the
-// lowest host cost per call) and fall back to nanobind's ndarray caster otherwise.
+// Python-level call. The call arguments (call_args.hpp) use it for every array whose
+// type offers it (the lowest host cost per call), and nanobind's ndarray caster otherwise.
 //
 // The structs below restate the layouts fixed by the DLPack specification; only the
 // fields this file reads are named meaningfully.
@@ -74,34 +74,13 @@ PyObject* allocate_like(const Api* api, const TensorView& prototype, TensorView*
 // arrays); false (Python error cleared) when the producer cannot say.
 bool current_stream(const Api* api, const TensorView& v, void** stream);
 
-// Converts up to kMax Python arrays, each through its type's exchange table, and owns
-// what the producers handed out until the call it serves is over. Only the views in
-// use are ever constructed (an eager call converts 5-8 arrays; the host cost of a call
-// is a few microseconds, so no work is spent on the unused slots).
-class Arrays {
- public:
-  static constexpr int kMax = 8;
-  Arrays() = default;
-  Arrays(const Arrays&) = delete;
-  Arrays& operator=(const Arrays&) = delete;
-  ~Arrays();
-  // Adds `obj`; false (Python error cleared) when its type offers no table or the
-  // producer refuses it.
-  bool add(PyObject* obj);
-  const TensorView& operator[](int i) const { return slots_[i].view; }
-  bool read_only(int i) const { return (read_only_ >> i) & 1u; }
-  const Api* api(int i) const { return apis_[i]; }
-
- private:
-  union Slot {
-    Slot() {}  // left unconstructed until add() fills it
-    TensorView view;
-  };
-  Slot slots_[kMax];
-  DLManagedTensorVersioned* owned_[kMax];  // set for the first n_ slots (null: nothing owned)
-  const Api* apis_[kMax];
-  unsigned read_only_ = 0;  // bit i: the producer marked array i read-only
-  int n_ = 0;
-};
+// Converts `obj` through `api` into `*view` (shape and strides copied). Sets `*owned` to
+// the tensor the producer handed out (null when it lent a view): the caller releases it
+// with release() once the call is over. False (Python error cleared) when the producer
+// refuses the object.
+bool convert(const Api* api, PyObject* obj, TensorView* view, DLManagedTensorVersioned** owned);
+inline void release(DLManagedTensorVersioned* owned) {
+  if (owned != nullptr && owned->deleter != nullptr) owned->deleter(owned);
+}
 
 }  // namespace pagedattn::py::exchange

@@ -1,4 +1,5 @@
-// The only DLPack-aware code: turns nanobind ndarrays (any framework, any device)
+// Turns nanobind ndarrays (any framework, any device; used by call_args.cpp for arrays
+// whose type offers no DLPack exchange table)
 // into the core's non-owning TensorView.
 #pragma once
 

@@ -147,13 +147,13 @@ PA_TEST(validation_errors_are_typed) {
   Problem p2;
   TensorView q2 = make_view(p2.q.data(), DType::kFloat32, {p2.S, p2.H, p2.D / 2});
   PA_CHECK_THROWS(paged_attention(p2.ov(), q2, p2.kv(), p2.vv(), p2.btv(), p2.lv()), InvalidArgument);
-  DecodeOptions opt;
-  opt.version = 7;
+  AttentionOptions opt;
+  opt.kernel = static_cast<DecodeKernel>(7);
   PA_CHECK_THROWS(paged_attention(p2.ov(), p2.qv(), p2.kv(), p2.vv(), p2.btv(), p2.lv(), opt), std::invalid_argument);
   try {
     paged_attention(p2.ov(), p2.qv(), p2.kv(), p2.vv(), p2.btv(), p2.lv(), opt);
   } catch (const InvalidArgument& e) {
-    PA_CHECK(std::string(e.what()).find("version") != std::string::npos);
+    PA_CHECK(std::string(e.what()).find("kernel") != std::string::npos);
   }
 }
 
@@ -220,7 +220,7 @@ PA_TEST(parsers_reject_unknown_names) {
 int main() { return pagedattn_test::run_all(); }
 
 PA_TEST(decode_plan_validates_like_workspace_size) {
-  DecodeWorkspaceQuery q;
+  DecodeShape q;
   q.num_seqs = 1;
   q.num_heads = 32;
   q.num_kv_heads = 8;
@@ -231,18 +231,54 @@ PA_TEST(decode_plan_validates_like_workspace_size) {
   q.num_kv_heads = 7;  // 32 heads are not a multiple of 7
   PA_CHECK_THROWS(decode_plan(q), InvalidArgument);
   q.num_kv_heads = 8;
-  q.version = 3;
-  PA_CHECK_THROWS(decode_plan(q), InvalidArgument);
-  q.version = 0;
+  AttentionOptions opt;
+  opt.kernel = static_cast<DecodeKernel>(3);
+  PA_CHECK_THROWS(decode_plan(q, opt), InvalidArgument);
+  opt.kernel = DecodeKernel::kPartitioned;
+  opt.partition_size = -16;
+  PA_CHECK_THROWS(decode_workspace_size(q, opt), InvalidArgument);
+  opt.partition_size = 0;
+  q.head_size = 100;  // the "vllm" layout of a 16-bit cache needs a multiple of x = 8
+  PA_CHECK_THROWS(decode_plan(q, opt), InvalidArgument);
+  q.head_size = 128;
   if (!built_with_cuda()) {
-    PA_CHECK_THROWS(decode_plan(q), NotSupported);
-    PA_CHECK_THROWS(decode_workspace_size(q), NotSupported);
+    PA_CHECK_THROWS(decode_plan(q, opt), NotSupported);
+    PA_CHECK_THROWS(decode_workspace_size(q, opt), NotSupported);
   } else {
     try {
-      const DecodePlanInfo info = decode_plan(q);  // on a machine with a GPU
+      const DecodePlanInfo info = decode_plan(q, opt);  // on a machine with a GPU
       PA_CHECK(info.num_partitions >= 1 && info.ctas == 8 * info.num_partitions);
-      PA_CHECK_EQ(info.workspace_bytes, decode_workspace_size(q));
+      PA_CHECK_EQ(info.workspace_bytes, decode_workspace_size(q, opt));
     } catch (const NotSupported&) {  // built with CUDA, no usable device here
     }
   }
+}
+
+PA_TEST(decode_kernel_names_round_trip) {
+  for (DecodeKernel k : {DecodeKernel::kAuto, DecodeKernel::kSinglePass, DecodeKernel::kPartitioned})
+    PA_CHECK(parse_decode_kernel(decode_kernel_name(k)) == k);
+  PA_CHECK_THROWS(parse_decode_kernel("v2"), InvalidArgument);
+}
+
+PA_TEST(prepared_decode_validates_once_and_runs_like_the_eager_call) {
+  Problem p;
+  std::vector<float> eager(p.out.size(), -1.0f);
+  paged_attention(make_view(eager.data(), DType::kFloat32, {p.S, p.H, p.D}), p.qv(), p.kv(), p.vv(), p.btv(),
+                  p.lv());
+  PreparedDecode prepared(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv());
+  PA_CHECK(prepared.device() == DeviceKind::kCPU);
+  prepared.run();
+  for (size_t i = 0; i < eager.size(); ++i) PA_CHECK_EQ(p.out[i], eager[i]);
+  // The index contents are checked again on every host run.
+  p.bt[4] = 1 << 30;  // sequence 1 (length 5) reads its first block id
+  PA_CHECK_THROWS(prepared.run(), OutOfRange);
+  // Moved-from and moved-to objects behave.
+  p.bt[4] = 3;
+  PreparedDecode moved(std::move(prepared));
+  moved.run(nullptr);
+  // A read-only output is refused by the validation pass, for C++ callers too.
+  TensorView ro = p.ov();
+  ro.read_only = true;
+  PA_CHECK_THROWS(PreparedDecode(ro, p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), InvalidArgument);
+  PA_CHECK_THROWS(paged_attention(ro, p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), InvalidArgument);
 }

@@ -104,9 +104,19 @@ def test_decode_queries_without_cuda_or_bad_args(name):
     if not pagedattn._core.with_cuda:
         with pytest.raises(ValueError, match=f"{name}: this build of pagedattn has no CUDA backend"):
             fn(1, 8, 2, 64, 16, 4, "float16")
-    with pytest.raises(ValueError, match=f"{name}: num_heads 8 must be a multiple of num_kv_heads 3"):
+    with pytest.raises(ValueError, match=rf"{name}: num_heads 8 \(query\) must be a multiple of num_kv_heads 3"):
         fn(1, 8, 3, 64, 16, 4, "float16")
     with pytest.raises(ValueError, match="head_size 65"):
         fn(1, 8, 2, 65, 16, 4, "float16")
-    with pytest.raises(ValueError, match="version: got 3"):
-        fn(1, 8, 2, 64, 16, 4, "float16", version=3)
+    with pytest.raises(ValueError, match='kernel: got "v2", expected "auto", "single_pass" or "partitioned"'):
+        fn(1, 8, 2, 64, 16, 4, "float16", kernel="v2")
+    # What paged_attention refuses, the queries refuse with the same check: the "vllm"
+    # layout of an fp8 cache (x = 16) cannot hold head size 72, the "nhd" layout can.
+    with pytest.raises(ValueError, match=f"{name}: head_size 72 does not fit the \"vllm\" layout, which needs a multiple of x = 16"):
+        fn(1, 8, 2, 72, 16, 4, "float16", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="k_scale: must be a finite positive number"):
+        fn(1, 8, 2, 72, 16, 4, "float16", layout="nhd", kv_cache_dtype="fp8_e4m3", k_scale=-1.0)
+    with pytest.raises(TypeError, match=f"{name}\\(\\) got an unexpected keyword argument 'version'"):
+        fn(1, 8, 2, 64, 16, 4, "float16", version=2)
+    with pytest.raises(TypeError, match="num_seqs: expected an integer, got float 1.5"):
+        fn(1.5, 8, 2, 64, 16, 4, "float16")

@@ -50,7 +50,7 @@ def call(p, **over):
         (lambda p: dict(alibi_slopes=np.ones(3, np.float32)), ValueError, ["alibi_slopes", "num_heads", "4"]),
         (lambda p: dict(alibi_slopes=np.ones(4, np.float64)), TypeError, ["alibi_slopes", "float32", "float64"]),
         (lambda p: dict(scale=float("nan")), ValueError, ["scale", "finite"]),
-        (lambda p: dict(version=3), ValueError, ["version", "3"]),
+        (lambda p: dict(kernel="v3"), ValueError, ["kernel", "v3", "single_pass", "partitioned"]),
         (lambda p: dict(kv_cache_dtype="int4"), ValueError, ["kv_cache_dtype", "int4", "fp8_e4m3"]),
         (lambda p: dict(kv_cache_dtype="fp8_e4m3"), TypeError, ["key_cache", "uint8", "float32"]),
     ],

@@ -1,10 +1,10 @@
-"""The DLPack C exchange fast path (`__dlpack_c_exchange_api__`, torch >= 2.11).
+"""Arrays converted through the DLPack C exchange API (`__dlpack_c_exchange_api__`, torch >= 2.11).
 
-pagedattn.paged_attention / reshape_and_cache convert arrays in C++ through the
-producer's exchange table when every array offers one. These tests check that torch
-tensors take that path, that it computes the same results and raises the same errors
-as the general path (forced here with a NumPy-integer stream handle, which the fast path
-declines), and that it falls back when an array's type has no table.
+Every call converts each array once in C++: through its type's exchange table when it
+offers one, else through ``__dlpack__`` / the buffer protocol. These tests check that
+torch tensors compute the same results and raise the same errors whichever way they are
+converted (an object offering only ``__dlpack__`` forces the second way), that mixed
+kinds work, and that the output is allocated by the query's framework.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ torch = pytest.importorskip("torch")
 if not _core.exchange_api_available(torch.empty(0)):
     pytest.skip("this torch does not offer the DLPack C exchange API", allow_module_level=True)
 
-GENERAL = np.int64(0)  # a stream handle of a type the fast path declines: forces the general path
-
 
 def to_torch(a):
     """NumPy (ml_dtypes bfloat16 included) -> torch CPU tensor with the same values."""
@@ -32,19 +30,22 @@ def to_torch(a):
     return torch.from_numpy(a)
 
 
-def fast(out, q, kc, vc, bt, sl, **kw):
-    """The fast entry point itself: None means it declined."""
-    o = dict(scale=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, version=0,
-             partition_size=0, workspace=None, check_block_tables=False, stream=None)  # fmt: skip
-    o.update(kw)
-    return _core.paged_attention_exchange(out, q, kc, vc, bt, sl, o["scale"], o["alibi_slopes"], o["kv_cache_dtype"],
-                                          o["k_scale"], o["v_scale"], o["version"], o["partition_size"],
-                                          o["workspace"], o["check_block_tables"], o["stream"])  # fmt: skip
+class DLPackOnly:
+    """An array offering only the DLPack protocol (no exchange table, no buffer)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
-def test_fast_path_matches_reference(rng, dtype_name, layout):
+def test_exchange_matches_reference(rng, dtype_name, layout):
     if dtype_name == "bfloat16" and BF16 is None:
         pytest.skip("needs ml_dtypes")
     dt = getattr(torch, dtype_name)
@@ -52,37 +53,44 @@ def test_fast_path_matches_reference(rng, dtype_name, layout):
     p = make_problem(rng, [1, 16, 17, 95], num_heads=8, num_kv_heads=2, layout=layout, alibi=True, dtype=npdt)
     t = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache)]
     bt, sl, al = to_torch(p.block_tables), to_torch(p.seq_lens), to_torch(p.alibi_slopes)
-    out = fast(None, *t, bt, sl, alibi_slopes=al, scale=0.3)
-    assert isinstance(out, torch.Tensor), "torch tensors must take the fast path"
+    assert _core.exchange_api_available(t[0])
+    out = pagedattn.paged_attention(*t, bt, sl, alibi_slopes=al, scale=0.3)
+    assert isinstance(out, torch.Tensor), "the output is allocated by the query's framework"
     assert out.dtype == dt and tuple(out.shape) == p.query.shape
     ref = paged_attention_ref(*(x.float().numpy() for x in t), p.block_tables, p.seq_lens, scale=0.3,
                               alibi_slopes=p.alibi_slopes)  # fmt: skip
     assert_close(out.float().numpy(), ref, dtype_name)
-    # the public function gives the same bits as the fast entry point and the general path
-    pub = pagedattn.paged_attention(*t, bt, sl, alibi_slopes=al, scale=0.3)
-    gen = pagedattn.paged_attention(*t, bt, sl, alibi_slopes=al, scale=0.3, stream=GENERAL)
-    assert torch.equal(pub.view(torch.uint8), out.view(torch.uint8))
+    # the same bits when every array is converted through __dlpack__ instead
+    gen = torch.empty_like(out)
+    args = [DLPackOnly(x) for x in (*t, bt, sl)]
+    r = pagedattn.paged_attention(*args, alibi_slopes=DLPackOnly(al), scale=0.3, out=DLPackOnly(gen))
+    assert isinstance(r, DLPackOnly) and r.a is gen
     assert torch.equal(gen.view(torch.uint8), out.view(torch.uint8))
 
 
-def test_fast_path_out_strided_query_and_int_stream(rng):
+def test_exchange_out_strided_query_and_int_stream(rng):
     p = make_problem(rng, [30, 2, 64], num_heads=4, num_kv_heads=2)
     qkv = torch.randn(3, 12, 64)
     q = qkv[:, 4:8]  # strided in the head dimension's parent
     out = torch.full((3, 4, 64), float("nan"))
-    r = fast(out, q, *(to_torch(a) for a in p.args()[1:]), stream=0)
+    r = pagedattn.paged_attention(q, *(to_torch(a) for a in p.args()[1:]), out=out, stream=0)
     assert r is out
     assert_close(out.numpy(), paged_attention_ref(q.numpy(), *p.args()[1:]), np.float32)
 
 
-def test_fast_path_declines_mixed_kinds(rng):
+def test_mixed_kinds_and_dlpack_only_query(rng):
     p = make_problem(rng, [20, 3])
     args = [to_torch(a) for a in p.args()]
     args[3] = p.block_tables  # a NumPy array among torch tensors
-    assert fast(None, *args) is None
-    out = pagedattn.paged_attention(*args)  # the general path serves the call
-    assert_close(np.asarray(out), paged_attention_ref(*p.args()), np.float32)
-    assert fast(None, *(to_torch(a) for a in p.args()), stream="not a handle") is None
+    out = pagedattn.paged_attention(*args)
+    assert isinstance(out, torch.Tensor)
+    assert_close(out.numpy(), paged_attention_ref(*p.args()), np.float32)
+    # A query that only offers __dlpack__ (no framework to ask): a NumPy output on the host.
+    out = pagedattn.paged_attention(DLPackOnly(args[0]), *args[1:])
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    assert_close(out, paged_attention_ref(*p.args()), np.float32)
+    with pytest.raises(TypeError, match="stream: expected an int handle or an object with __cuda_stream__"):
+        pagedattn.paged_attention(*args, stream="not a handle")
 
 
 @pytest.mark.parametrize(
@@ -95,7 +103,7 @@ def test_fast_path_declines_mixed_kinds(rng):
         (lambda a: a.update(sl=torch.tensor([5, 10_000], dtype=torch.int32)), IndexError, "seq_lens"),
     ],
 )
-def test_fast_path_errors_match_general_path(rng, mutate, exc, match):
+def test_exchange_errors_match_general_path(rng, mutate, exc, match):
     p = make_problem(rng, [20, 3])
     a = dict(zip(("q", "kc", "vc", "bt", "sl"), (to_torch(x) for x in p.args())))
     mutate(a)
@@ -104,16 +112,15 @@ def test_fast_path_errors_match_general_path(rng, mutate, exc, match):
     with pytest.raises(exc, match=match) as fast_err:
         pagedattn.paged_attention(*args, out=out)
     with pytest.raises(exc, match=match) as gen_err:
-        pagedattn.paged_attention(*args, out=out, stream=GENERAL)
+        pagedattn.paged_attention(*(DLPackOnly(x) for x in args), out=DLPackOnly(out))
     assert str(fast_err.value) == str(gen_err.value)
 
 
-def test_fast_path_num_seqs_mismatch_allocates_nothing(rng):
+def test_exchange_num_seqs_mismatch_allocates_nothing(rng):
     p = make_problem(rng, [20, 3])
     args = [to_torch(a) for a in p.args()]
     args[0] = torch.randn(5, 4, 64)  # 5 queries, 2 sequences
-    assert fast(None, *args) is None  # declined before allocating
-    with pytest.raises(ValueError, match=r"seq_lens: dimension 0 \(num_seqs, as in query\) must be 5, got 2"):
+    with pytest.raises(ValueError, match=r"block_tables: dimension 0 \(num_seqs, as in query\) must be 5, got 2"):
         pagedattn.paged_attention(*args)
 
 
@@ -125,15 +132,14 @@ def test_reshape_and_cache_fast_path(rng, layout):
     key, value = torch.randn(7, 2, 64, dtype=torch.float16), torch.randn(7, 2, 64, dtype=torch.float16)
     slots = torch.from_numpy(rng.permutation(96)[:7].astype(np.int64))
     slots[2] = -1  # padding
-    assert _core.reshape_and_cache_exchange(key, value, kc, vc, slots, "auto", 1.0, 1.0, None) is True
+    pagedattn.reshape_and_cache(key, value, kc, vc, slots)
     kc_ref = np.full(kshape, np.nan, np.float16)
     vc_ref = np.full(vshape, np.nan, np.float16)
     pagedattn.reference.reshape_and_cache_ref(key.numpy(), value.numpy(), kc_ref, vc_ref, slots.numpy())
     np.testing.assert_array_equal(kc.numpy(), kc_ref)
     np.testing.assert_array_equal(vc.numpy(), vc_ref)
-    # declined for a NumPy cache; the public function then writes through the general path
+    # a NumPy cache among torch tensors
     kc2 = np.full(kshape, np.nan, np.float16)
-    assert _core.reshape_and_cache_exchange(key, value, kc2, vc, slots, "auto", 1.0, 1.0, None) is False
     pagedattn.reshape_and_cache(key, value, kc2, vc, slots)
     np.testing.assert_array_equal(kc2, kc_ref)
 
@@ -152,7 +158,7 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _core.with_cuda), r
 
 
 @cuda
-def test_fast_path_runs_on_the_current_torch_stream(rng):
+def test_exchange_runs_on_the_current_torch_stream(rng):
     """The kernel must be ordered after work queued on the current (non-default) stream."""
     dev = torch.device("cuda", 0)
     p = make_problem(rng, [700, 33, 1], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)

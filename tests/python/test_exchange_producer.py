@@ -144,15 +144,36 @@ def test_decode_through_owned_tensors(rng):
     assert COUNTS["made"] == 6  # every array through the table, none through __dlpack__
 
 
-@pytest.mark.parametrize("case", ["read-only out", "refused block_tables"])
-def test_declined_calls_release_what_they_converted(rng, case):
+def test_read_only_out_is_refused_and_released(rng):
+    p, out, _ = _problem(rng)
+    w = [Owned(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens)]
+    with pytest.raises(ValueError, match="out: the array is read-only; pagedattn writes into it"):
+        pagedattn.paged_attention(*w, out=Owned(out, read_only=True))
+    assert np.isnan(out).all()
+    assert COUNTS["made"] == 6
+
+
+def test_a_refused_array_goes_through_dlpack(rng):
     p, out, ref = _problem(rng)
     w = [Owned(a) for a in (p.query, p.key_cache, p.value_cache)]
-    w += [Owned(p.block_tables, refuse=case == "refused block_tables"), Owned(p.seq_lens)]
-    wout = Owned(out, read_only=case == "read-only out")
-    assert pagedattn.paged_attention(*w, out=wout) is wout  # the general path ran instead
+    w += [Owned(p.block_tables, refuse=True), Owned(p.seq_lens)]
+    wout = Owned(out)
+    assert pagedattn.paged_attention(*w, out=wout) is wout
     np.testing.assert_array_equal(out, ref)
-    assert COUNTS["made"] == (3 if case == "refused block_tables" else 6)
+    assert COUNTS["made"] == 5  # block_tables through __dlpack__, the rest through the table
+
+
+def test_prepared_call_holds_its_tensors_until_it_dies(rng):
+    p, out, ref = _problem(rng)
+    w = [Owned(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens)]
+    prepared = pagedattn.prepare_decode(*w, out=Owned(out))
+    run = prepared.run
+    del prepared, w
+    assert len(LIVE) == 6  # held by the prepared call, not released after preparing
+    run()
+    np.testing.assert_array_equal(out, ref)
+    del run
+    assert not LIVE
 
 
 def test_validation_errors_release_everything(rng):

@@ -1,48 +1,91 @@
-// The decode attention and cache-write API of pagedattn.
+// The attention and cache-write API of pagedattn.
 //
-// Every function validates all of its arguments in one pass before any work is
-// dispatched to the CPU or CUDA backend, and throws the types in errors.hpp.
-// Dimension legend: see params.hpp.
+// Every function validates all of its arguments in one pass (validate.cpp) before any
+// work is dispatched to the CPU or CUDA backend, and throws the types in errors.hpp.
+//
+// Dimension legend of the shape comments:
+//   S = num_seqs, H = num_heads, K = num_kv_heads, D = head_size, B = block_size,
+//   N = num_blocks, M = max_blocks_per_seq, T = num_tokens, x = 16 / element size of the cache.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
-#include <utility>
 
-#include "pagedattn/params.hpp"
 #include "pagedattn/supported.hpp"
 #include "pagedattn/tensor.hpp"
 
 namespace pagedattn {
 
-struct DecodeOptions {
-  std::optional<float> scale;              // default 1 / sqrt(head_size)
-  const TensorView* alibi_slopes = nullptr;  // float32 [H], or null
+// Which CUDA decode kernel runs (the CPU backend has one form and ignores it).
+enum class DecodeKernel : std::uint8_t {
+  kAuto,         // the planner chooses
+  kSinglePass,   // one CTA streams a whole sequence
+  kPartitioned,  // the context is split into partitions, merged by a reduce kernel
+};
+const char* decode_kernel_name(DecodeKernel k) noexcept;
+// Parses "auto" / "single_pass" / "partitioned"; throws InvalidArgument naming `arg` otherwise.
+DecodeKernel parse_decode_kernel(const char* s, const char* arg = "kernel");
+
+// Every option of an attention call, in one struct: the C++ entry points, the prepared
+// call, the workspace / plan queries and the Python bindings all take this object.
+// An option added here is bound in python/src/call_options.cpp, checked in validate.cpp
+// and read by the kernels; nothing else changes.
+struct AttentionOptions {
+  std::optional<float> scale;               // softmax scale; default 1 / sqrt(head_size)
+  std::optional<TensorView> alibi_slopes;   // float32 [H]: adds slope[h] * (t - seq_len + 1)
   KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
-  float k_scale = 1.0f;
+  float k_scale = 1.0f;                     // fp8 caches: real key = stored * k_scale
   float v_scale = 1.0f;
-  int version = 0;         // 0 auto, 1 single pass, 2 partitioned (CUDA only; CPU ignores)
-  int partition_size = 0;  // 0 = default (CUDA v2)
-  const TensorView* workspace = nullptr;  // CUDA v2 scratch (uint8, on the device), or null
-  bool check_block_tables = false;        // CUDA: raise on out-of-range block ids
-  void* stream = nullptr;                 // cudaStream_t; null = default stream
+  DecodeKernel kernel = DecodeKernel::kAuto;  // CUDA only
+  int partition_size = 0;                   // tokens per partition (CUDA, partitioned); 0 = planner
+  std::optional<TensorView> workspace;      // CUDA scratch (any dtype, on the device), or none
+  bool check_block_tables = false;          // CUDA: raise on out-of-range block ids (synchronises)
+  void* stream = nullptr;                   // cudaStream_t; null = the default stream
 };
 
 // out[s, h, :] = softmax(scale * q[s, h] . K[s, kv(h)] + alibi) @ V[s, kv(h)]
-//   out          [S, H, D] (written; may be strided in dims 0-1)
+//   out          [S, H, D] (written; may be strided in dims 0-1; not read_only)
 //   query        [S, H, D] (may be strided in dims 0-1)
 //   key_cache    vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
 //   value_cache  vllm [N, K, D, B]      | nhd [N, B, K, D]
 //   block_tables int32 [S, M]
 //   seq_lens     int32 [S]
+// Query head h reads KV head h / (H / K). A sequence of length 0 yields zeros.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
-                     const TensorView& seq_lens, const DecodeOptions& options = {});
+                     const TensorView& seq_lens, const AttentionOptions& options = {});
+
+// A paged_attention call validated once and run many times: the lowest host cost per
+// step, and the form to capture in a CUDA graph. The constructor runs the whole
+// validation pass; run() launches with no further shape, dtype or pointer checks. The
+// arrays are not owned: they must outlive the object and keep their shapes; their
+// contents may change between runs. On the host, run() checks the index contents
+// (seq_lens, block_tables) again, since they may have changed.
+class PreparedDecode {
+ public:
+  PreparedDecode(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                 const TensorView& value_cache, const TensorView& block_tables, const TensorView& seq_lens,
+                 const AttentionOptions& options = {});
+  ~PreparedDecode();
+  PreparedDecode(PreparedDecode&&) noexcept;
+  PreparedDecode& operator=(PreparedDecode&&) noexcept;
+  PreparedDecode(const PreparedDecode&) = delete;
+  PreparedDecode& operator=(const PreparedDecode&) = delete;
+
+  void run() const;                 // on the stream given in the options
+  void run(void* stream) const;     // on `stream` (a cudaStream_t; ignored on the host)
+  DeviceKind device() const noexcept;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 struct CacheWriteOptions {
   KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
-  float k_scale = 1.0f;
+  float k_scale = 1.0f;  // fp8 caches: stored = value / k_scale, saturated
   float v_scale = 1.0f;
   void* stream = nullptr;
 };
@@ -65,25 +108,37 @@ struct CacheShapes {
 CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads,
                            std::int64_t head_size, std::size_t elem_size, CacheLayout layout);
 
-// The validation pass alone: checks the arguments of paged_attention and returns the
-// parameters a backend would receive. Throws like paged_attention.
-DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,
-                                const TensorView& value_cache, const TensorView& block_tables,
-                                const TensorView& seq_lens, const DecodeOptions& options = {});
-// Checks the index contents of host arrays in p (every seq_len in range, every block id
-// a sequence reaches inside the pool). make_decode_params does this already; a caller
-// that reuses DecodeParams after changing block_tables / seq_lens in place calls it again.
-void check_decode_indices(const DecodeParams& p);
+// The sizes of a decode call, without its arrays: what the workspace and plan queries
+// need to answer for a call before its arrays exist.
+struct DecodeShape {
+  int num_seqs = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_size = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  DType dtype = DType::kFloat16;  // query dtype
+  CacheLayout layout = CacheLayout::kVLLM;
+  int device_id = 0;              // the CUDA device
+};
 
-// Runs a decode from parameters made by make_decode_params, without re-checking shapes,
-// dtypes or pointers (the arrays must still be alive and unchanged in shape). Host
-// parameters get check_decode_indices first, since index contents may have changed.
-// This is the prepared-call path: validate once, launch many times.
-void run_decode(const DecodeParams& p, DeviceKind device, void* stream = nullptr);
+// Device scratch bytes paged_attention needs on CUDA for these sizes and options (0 when
+// the single-pass kernel runs). Depends only on host-known sizes, never on seq_lens, so a
+// workspace sized once fits every later call of the same sizes. Same checks and errors as
+// paged_attention for everything the sizes and options determine.
+std::size_t decode_workspace_size(const DecodeShape& shape, const AttentionOptions& options = {});
 
-CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value,
-                                         const TensorView& key_cache, const TensorView& value_cache,
-                                         const TensorView& slot_mapping, const CacheWriteOptions& options = {});
+// How paged_attention will run on CUDA for these sizes and options (same inputs and
+// errors as decode_workspace_size): for people tuning or studying the kernels.
+struct DecodePlanInfo {
+  int num_partitions = 1;      // CTAs along the context per (sequence, KV head, head tile)
+  int partition_size = 0;      // tokens per partition
+  bool reduce_kernel = false;  // partials written to scratch and merged by a second kernel
+  int head_tiles = 1;          // CTAs per KV head along its query heads
+  std::int64_t ctas = 0;       // CTAs of the decode grid
+  std::size_t workspace_bytes = 0;
+};
+DecodePlanInfo decode_plan(const DecodeShape& shape, const AttentionOptions& options = {});
 
 // True when this build contains the CUDA backend.
 bool built_with_cuda() noexcept;

@@ -1,5 +1,4 @@
-// Whole-block cache operations (copy inside a device, swap between device and host)
-// and the size of the CUDA decode scratch.
+// Whole-block cache operations (copy inside a device, swap between device and host).
 //
 // Dimension legend: N = num_blocks of a cache, P = number of (src, dst) block pairs.
 // A "block" of a cache array is its slice [n] along the first dimension, in every
@@ -37,36 +36,6 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
 void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping,
                  void* stream = nullptr);
 
-// Device scratch bytes paged_attention needs on CUDA for these shapes and options
-// (0 when the single-pass kernel is chosen). Depends only on host-known sizes, never
-// on seq_lens, so a workspace sized once fits every later call of the same shapes.
-struct DecodeWorkspaceQuery {
-  int num_seqs = 0;
-  int num_heads = 0;
-  int num_kv_heads = 0;
-  int head_size = 0;
-  int block_size = 0;
-  int max_blocks_per_seq = 0;
-  DType dtype = DType::kFloat16;
-  KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
-  CacheLayout layout = CacheLayout::kVLLM;
-  int version = 0;
-  int partition_size = 0;
-  int device_id = 0;
-};
-std::size_t decode_workspace_size(const DecodeWorkspaceQuery& q);
-
-// How paged_attention will run on CUDA for these shapes and options (same inputs and
-// errors as decode_workspace_size): for people tuning or studying the kernels.
-struct DecodePlanInfo {
-  int num_partitions = 1;   // CTAs along the context per (sequence, KV head, head tile)
-  int partition_size = 0;   // tokens per partition
-  bool reduce_kernel = false;  // partials written to scratch and merged by a second kernel
-  int head_tiles = 1;       // CTAs per KV head along its query heads
-  std::int64_t ctas = 0;    // CTAs of the decode grid
-  std::size_t workspace_bytes = 0;
-};
-DecodePlanInfo decode_plan(const DecodeWorkspaceQuery& q);
 
 // Parameters handed to the CUDA backend (validated).
 struct CopyBlocksParams {

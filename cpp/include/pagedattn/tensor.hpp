@@ -45,6 +45,7 @@ struct TensorView {
   DeviceKind device = DeviceKind::kCPU;
   int device_id = 0;
   int ndim = 0;
+  bool read_only = false;  // the owner forbids writes: refused wherever pagedattn writes
   std::array<std::int64_t, kMaxDims> shape{};
   std::array<std::int64_t, kMaxDims> strides{};  // in elements, not bytes
 

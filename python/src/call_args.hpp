@@ -1,0 +1,74 @@
+// The arguments of one call from Python, converted once in C++: every array (through its
+// type's DLPack C exchange table when it offers one, else nanobind's buffer-protocol /
+// __dlpack__ caster; NumPy bfloat16 through a uint16 view), the output array when the
+// caller passes none, and the CUDA stream. The Python layer only forwards its arguments.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <optional>
+
+#include "exchange.hpp"
+#include "ndarray.hpp"
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn::py {
+
+namespace nb = nanobind;
+
+// The arrays of a call. Each is converted once and what its producer handed out is held
+// until the object dies: for an eager call, the call; for a prepared call, its lifetime
+// (with a strong reference to every Python object, so the arrays outlive every run).
+class CallArrays {
+ public:
+  static constexpr int kMax = 8;
+  CallArrays() = default;
+  CallArrays(const CallArrays&) = delete;
+  CallArrays& operator=(const CallArrays&) = delete;
+  ~CallArrays();
+
+  // Converts `obj`, the argument `name`; returns its index. `written`: the call writes
+  // into it, so a read-only array is flagged (TensorView::read_only) for the validator.
+  // Throws TypeMismatch naming the argument when `obj` is not an array.
+  int add(nb::handle obj, const char* name, bool written = false);
+  // add() for an optional argument: -1 for None.
+  int add_optional(nb::handle obj, const char* name, bool written = false) {
+    return obj.is_none() ? -1 : add(obj, name, written);
+  }
+  const TensorView& operator[](int i) const { return slots_[i].view; }
+  nb::handle object(int i) const { return objects_[i]; }
+
+  // A new array like array `like` (kind, dtype, shape, device), made by the framework
+  // that made `like`, added as the argument `name`; returns its index. Throws TypeMismatch
+  // when that framework cannot be asked for one (pass out=).
+  int add_empty_like(int like, const char* name);
+  // The object to return for array i: the array itself, or for an output allocated for an
+  // immutable framework's host array (JAX), that framework's array of the result.
+  nb::object result(int i) const;
+
+  // The CUDA stream of the call: `stream` as given (an int handle, or an object with
+  // __cuda_stream__ or a cuda_stream / ptr / handle attribute), else, for arrays on a GPU,
+  // the current stream that array `like`'s framework reports for its device (null: the
+  // default stream).
+  void* stream(nb::handle stream, int like) const;
+
+ private:
+  union Slot {
+    Slot() {}  // constructed by add() only: an eager call converts 5-8 arrays
+    TensorView view;
+  };
+  Slot slots_[kMax];
+  nb::object objects_[kMax];                          // the caller's objects (strong references)
+  nb::object keep_[kMax];                             // the uint16 view of a NumPy bfloat16 array
+  AnyArray nd_[kMax];                                 // what nanobind's caster holds
+  exchange::DLManagedTensorVersioned* owned_[kMax];   // released in the destructor
+  const exchange::Api* apis_[kMax];                   // null: converted by nanobind
+  int n_ = 0;
+  int jax_result_ = -1;  // index of an output allocated in NumPy for a JAX host array
+};
+
+// A stream argument alone (for run() of a prepared call): null for None.
+void* stream_handle(nb::handle stream);
+
+}  // namespace pagedattn::py
