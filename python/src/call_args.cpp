@@ -66,7 +66,39 @@ std::string dtype_text(nb::handle obj) {
                      arg_type_name(obj), dt.empty() ? "" : detail::concat(" of dtype ", dt));
 }
 
-// Through nanobind's caster (buffer protocol or __dlpack__); false when it refuses.
+// obj.__dlpack__(), called here rather than by nanobind so that a capsule the producer
+// handed out before (and that was imported then) is refused instead of being imported a
+// second time: two owners of one tensor, a double free. Null when obj has no __dlpack__.
+// Sets *read_only from a versioned capsule's flags.
+nb::object dlpack_capsule(nb::handle obj, const char* name, bool* read_only) {
+  nb::object method = nb::getattr(obj, "__dlpack__", nb::none());
+  if (method.is_none()) return nb::object();
+  nb::object cap;
+  try {
+    try {
+      cap = method("max_version"_a = nb::make_tuple(1, 0));
+    } catch (const nb::python_error& e) {  // producers predating max_version
+      if (!e.matches(PyExc_TypeError) && !e.matches(PyExc_BufferError)) throw;
+      cap = method();
+    }
+  } catch (const nb::python_error& e) {
+    fail<TypeMismatch>(name, ": its __dlpack__() raised ", nb::cast<std::string>(nb::str(e.value())));
+  }
+  if (!PyCapsule_CheckExact(cap.ptr()))
+    fail<TypeMismatch>(name, ": __dlpack__() returned ", arg_type_name(cap), ", not a DLPack capsule");
+  const char* cname = PyCapsule_GetName(cap.ptr());
+  if (cname == nullptr || std::strncmp(cname, "used_", 5) == 0)
+    fail<InvalidArgument>(name, ": __dlpack__() returned a capsule that was already consumed (a DLPack capsule is "
+                          "imported once; the producer must return a new capsule on every call)");
+  if (std::strcmp(cname, "dltensor_versioned") == 0) {
+    auto* m = static_cast<exchange::DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap.ptr(), cname));
+    if (m == nullptr) PyErr_Clear();
+    else *read_only = (m->flags & exchange::kFlagReadOnly) != 0;
+  }
+  return cap;
+}
+
+// Through nanobind's caster (buffer protocol or DLPack capsule); false when it refuses.
 bool cast_ndarray(nb::handle obj, AnyArray* out) { return nb::try_cast(obj, *out, /*convert=*/false); }
 
 // Whether a buffer-protocol object refuses writable access (a read-only NumPy array).
@@ -112,8 +144,12 @@ int CallArrays::add(nb::handle obj, const char* name, bool written) {
   if (api == nullptr || !exchange::convert(api, obj.ptr(), &v, &owned)) {
     api = nullptr;
     nb::handle src = obj;
-    bool bf16 = false;
-    if (!cast_ndarray(obj, &nd)) {
+    bool bf16 = false, capsule_read_only = false;
+    if (!is_numpy(obj)) {
+      keep_[i] = dlpack_capsule(obj, name, &capsule_read_only);
+      if (keep_[i].is_valid()) src = keep_[i];
+    }
+    if (!cast_ndarray(src, &nd)) {
       // NumPy has no bfloat16 of its own: ml_dtypes' bfloat16 arrays reach the core as
       // uint16 views of the same memory, retyped here.
       if (!is_numpy(obj) || dtype_text(obj) != "bfloat16") fail_not_array(obj, name);
@@ -124,7 +160,7 @@ int CallArrays::add(nb::handle obj, const char* name, bool written) {
     }
     v = to_view(nd);
     if (bf16) v.dtype = DType::kBFloat16;
-    if (written) v.read_only = buffer_read_only(obj);
+    if (written) v.read_only = capsule_read_only || buffer_read_only(obj);
   }
   if (v.dtype == DType::kOther) {
     exchange::release(owned);
