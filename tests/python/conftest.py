@@ -5,12 +5,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 import zlib
 
 import numpy as np
 import pytest
 
 import pagedattn
+
+# Test harness that is not part of the package (the API fuzzer, the block-manager soak and
+# the reference block manager) lives in harness/: importable from every test module.
+HARNESS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
+if HARNESS_DIR not in sys.path:
+    sys.path.insert(0, HARNESS_DIR)
 
 try:
     import ml_dtypes

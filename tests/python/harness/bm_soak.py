@@ -1,6 +1,6 @@
 """Long seeded soak of pagedattn.BlockManager against an independent Python shadow.
 
-    python -m pagedattn.bm_soak --ops 5000000 --seed 1 [--check-every 2000]
+    python tests/python/harness/bm_soak.py --ops 5000000 --seed 1 [--check-every 2000]
 
 Several managers with small pools (so that running out of blocks, LRU eviction, swapping and
 copy-on-write happen all the time) are driven through random operations: add_sequence with
@@ -772,7 +772,7 @@ def run(ops: int, seed: int, check_every: int = 2000, log=print) -> tuple:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedattn.bm_soak", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tests/python/harness/bm_soak.py", description=__doc__.split("\n")[0])
     ap.add_argument("--ops", type=int, default=200_000, help="random operations (default 200000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every", type=int, default=2000, help="full audit + check_invariants() every K ops")

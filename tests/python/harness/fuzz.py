@@ -14,7 +14,7 @@ seeded random source and checks the contract:
 Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
 seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
 
-    python -m pagedattn.fuzz --cases 100000 --seed 1
+    python tests/python/harness/fuzz.py --cases 100000 --seed 1
 
 The last line printed is the summary, e.g.
 ``fuzz: 300 cases, seed 7: 0 crashes, 0 mismatches, 0 failures (...)``; the exit status
@@ -42,23 +42,18 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 import pagedattn
-
-from . import reference
+from pagedattn import reference
 
 __all__ = ["Draw", "RandomDraw", "Failure", "TARGETS", "KNOWN_ISSUES", "run_case", "main"]
 
 TYPED = (ValueError, TypeError, IndexError)
-# Under AddressSanitizer a failed C++ `new` aborts the process (operator new reports
-# out-of-memory instead of throwing), so the known issues that reach `new` with absurd
-# sizes are not generated there; NumPy's malloc still fails softly
-# (allocator_may_return_null=1). Case i of a seed then differs from a plain run.
-UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
-
-# Open bugs outside this module's reach, each reported with a reproducer. A case that
-# hits one counts as "known" (not a failure) unless --strict-known is given; when one
-# stops reproducing, the summary says so, and the pinned test in test_fuzz_api.py
-# (xfail strict) fails until the entry is removed.
+# Open bugs outside this module's reach (label -> description with a reproducer). A case
+# that hits one counts as "known" (not a failure) unless --strict-known is given, and the
+# summary lists the hits. None is open: test_no_known_issue_is_left_open in
+# test_fuzz_api.py pins this dict empty.
 KNOWN_ISSUES: dict = {}
+# How to run this file again, for the replay line of a failing case.
+_SCRIPT = os.path.abspath(__file__)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1181,7 +1176,7 @@ class Stats:
 
 
 def _replay(seed: int, i: int) -> str:
-    return f"python -m pagedattn.fuzz --seed {seed} --first {i} --cases 1"
+    return f"python {_SCRIPT} --seed {seed} --first {i} --cases 1"
 
 
 def _run_inprocess(args: argparse.Namespace, seed: int, st: Stats) -> None:
@@ -1226,7 +1221,7 @@ def _run_isolated(args: argparse.Namespace, seed: int, st: Stats) -> None:
     i, end = args.first, args.first + args.cases
     while i < end and st.failures < args.max_failures:
         n = min(args.isolate, end - i)
-        cmd = [sys.executable, "-m", "pagedattn.fuzz", "--seed", str(seed), "--first", str(i), "--cases", str(n),
+        cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(seed), "--first", str(i), "--cases", str(n),
                "--trace", "--no-summary", "--max-memory-mb", str(args.max_memory_mb),
                "--max-failures", str(args.max_failures - st.failures)]  # fmt: skip
         for t in args.target or []:
@@ -1272,7 +1267,7 @@ def _run_isolated(args: argparse.Namespace, seed: int, st: Stats) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedattn.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python tests/python/harness/fuzz.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=1000, help="number of cases to run")
     ap.add_argument("--seed", type=int, default=None, help="base seed (default: random, printed)")
     ap.add_argument("--first", type=int, default=0, help="index of the first case (to replay one case)")
