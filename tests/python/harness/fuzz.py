@@ -43,6 +43,7 @@ import numpy as np
 
 import pagedattn
 from pagedattn import reference
+from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks
 
 __all__ = ["Draw", "RandomDraw", "Failure", "TARGETS", "KNOWN_ISSUES", "run_case", "main"]
 
@@ -908,13 +909,61 @@ def fuzz_decode_workspace_size(d: Draw) -> Outcome:
 # BlockManager: random (often adversarial) call sequences
 # ---------------------------------------------------------------------------------------
 def _bm_snapshot(m: Any) -> tuple:
+    """Everything observable about a manager: the C++ one or the reference model."""
     ids = sorted(m.sequence_ids())
     per = tuple((i, tuple(m.block_table(i)), m.seq_len(i), m.num_computed(i), m.is_swapped(i)) for i in ids)
     return (per, m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks, m.num_free_cpu_blocks,
             m.num_pending_copies)  # fmt: skip
 
 
+def _stats(m: Any) -> tuple:
+    st = m.prefix_cache_stats
+    return st["queried_tokens"], st["hit_tokens"], st["evictions"]
+
+
+def _ints(a: Any) -> list:
+    return [int(v) for v in np.asarray(a).reshape(-1).tolist()]
+
+
+def _pair_list(a: Any) -> list:
+    return [tuple(p) for p in np.asarray(a).tolist()]
+
+
+# The calls that change a manager's state, replayed on the reference model once the C++
+# manager took them: (the model's call from the C++ call's arguments, the C++ result as
+# the model returns it). Arguments reach the model in its plain form (ints, lists of ints).
+_MIRRORED = {
+    "add_sequence": (lambda r, a, kw: r.add_sequence(int(a[0]), _ints(a[1]), extra_key=int(kw["extra_key"])),
+                     int),
+    "append_tokens": (lambda r, a, kw: r.append_tokens(int(a[0]), _ints(a[1])), _ints),
+    "append_tokens_batch": (lambda r, a, kw: r.append_tokens_batch(_ints(a[0]), _ints(a[1])), _ints),
+    "fork": (lambda r, a, kw: r.fork(int(a[0]), int(a[1])), lambda x: x),
+    "free": (lambda r, a, kw: r.free(int(a[0])), lambda x: x),
+    "step": (lambda r, a, kw: r.step(_ints(a[0]), None if kw["token_ids"] is None else _ints(kw["token_ids"]),
+                                     query_lens=None if kw["query_lens"] is None else _ints(kw["query_lens"])),
+             lambda md: {"seq_lens": _ints(md.seq_lens), "context_lens": _ints(md.context_lens),
+                         "query_start_loc": _ints(md.query_start_loc), "slot_mapping": _ints(md.slot_mapping),
+                         "copy_pairs": _pair_list(md.copy_pairs)}),
+    "take_copy_pairs": (lambda r, a, kw: r.take_copy_pairs(), _pair_list),
+    "swap_out": (lambda r, a, kw: r.swap_out(_ints(a[0])), _pair_list),
+    "swap_in": (lambda r, a, kw: r.swap_in(_ints(a[0])), _pair_list),
+    "stats": (lambda r, a, kw: r.reset_prefix_cache_stats(), lambda x: None),
+}  # fmt: skip
+
+
+def _run_bm_call(m: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    if name == "stats":
+        return m.prefix_cache_stats, len(m), repr(m), m.reset_prefix_cache_stats()
+    if name == "contains":
+        return args[0] in m
+    return getattr(m, name)(*args, **kwargs)
+
+
 def fuzz_block_manager(d: Draw) -> Outcome:
+    """Random, often adversarial, call sequences. Every call either raises a typed error and
+    changes nothing, or succeeds; a state-changing call the manager took (or refused for want
+    of blocks) is replayed on the reference model, which must decide the same: same result,
+    same refusal, same state and counters afterwards."""
     BM = pagedattn.BlockManager
     OOB = pagedattn.OutOfBlocksError
     allowed = TYPED + (KeyError, OOB)
@@ -940,8 +989,9 @@ def fuzz_block_manager(d: Draw) -> Outcome:
               watermark=d.choice([0.0, 0.0, 0.1, 0.5]))  # fmt: skip
     if not caching and d.bool(0.2):
         kw["sliding_window"] = d.choice([1, 3, 8])
-    m = BM(d.int(1, 24), d.choice([1, 2, 3, 4, 8]), **kw)
-    bs = m.block_size
+    num_blocks, bs = d.int(1, 24), d.choice([1, 2, 3, 4, 8])
+    m = BM(num_blocks, bs, **kw)
+    ref = ReferenceBlockManager(num_blocks, bs, **kw)
     known_hit: Optional[str] = None
 
     def seq_id() -> Any:
@@ -1006,63 +1056,87 @@ def fuzz_block_manager(d: Draw) -> Outcome:
     def maybe_big() -> list:
         return [d.choice(big)] if big and d.bool(0.1) else []
 
-    ops = {
-        "add_sequence": lambda: m.add_sequence(seq_id() if d.bool(0.3) else d.int(0, 30), tokens(),
-                                               extra_key=d.choice([0, 0, 1, 2**64 - 1])),
-        "append_tokens": lambda: m.append_tokens(seq_id(), tokens()),
-        "append_tokens_batch": lambda: (lambda ids: m.append_tokens_batch(ids, [1] * len(ids)
-                                        if d.bool(0.8) else [1]))(ids_list()),
-        "fork": lambda: m.fork(seq_id(), d.choice([d.int(0, 40), seq_id()])),
-        "free": lambda: m.free(seq_id()),
-        "step": lambda: (lambda ids: m.step(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
+    def one(*args: Any, **kwargs: Any) -> tuple:
+        return args, kwargs
+
+    # name -> the drawn (args, kwargs) of one call
+    calls = {
+        "add_sequence": lambda: one(seq_id() if d.bool(0.3) else d.int(0, 30), tokens(),
+                                    extra_key=d.choice([0, 0, 1, 2**64 - 1])),
+        "append_tokens": lambda: one(seq_id(), tokens()),
+        "append_tokens_batch": lambda: (lambda ids: one(ids, [1] * len(ids) if d.bool(0.8) else [1]))(ids_list()),
+        "fork": lambda: one(seq_id(), d.choice([d.int(0, 40), seq_id()])),
+        "free": lambda: one(seq_id()),
+        "step": lambda: (lambda ids: one(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
                          query_lens=d.choice([None, None, [0] * len(ids), [1] * len(ids), [-1] * len(ids),
                                               [2**40] * len(ids)]),
                          max_blocks=d.choice([None, None, 0, 64] + maybe_big()),
                          pad=d.choice([0, -1, 2**31 - 1]),
                          seq_lens=out_arr((len(ids),)) if d.bool(0.3) else None))(ids_list()),
-        "take_copy_pairs": lambda: m.take_copy_pairs(),
-        "swap_out": lambda: m.swap_out(ids_list()),
-        "swap_in": lambda: m.swap_in(ids_list()),
-        "can_allocate": lambda: m.can_allocate(d.choice([tokens(), d.int(-3, 50), 2**62])),
-        "can_append": lambda: m.can_append(seq_id(), d.choice([1, 0, -1, 2**62])),
-        "can_append_batch": lambda: m.can_append_batch(ids_list()),
-        "can_swap_out": lambda: m.can_swap_out(ids_list()),
-        "can_swap_in": lambda: m.can_swap_in(ids_list()),
-        "block_tables": lambda: (lambda ids: m.block_tables(ids, out=out_arr((len(ids), d.int(0, 8))),
+        "take_copy_pairs": lambda: one(),
+        "swap_out": lambda: one(ids_list()),
+        "swap_in": lambda: one(ids_list()),
+        "can_allocate": lambda: one(d.choice([tokens(), d.int(-3, 50), 2**62])),
+        "can_append": lambda: one(seq_id(), d.choice([1, 0, -1, 2**62])),
+        "can_append_batch": lambda: one(ids_list()),
+        "can_swap_out": lambda: one(ids_list()),
+        "can_swap_in": lambda: one(ids_list()),
+        "block_tables": lambda: (lambda ids: one(ids, out=out_arr((len(ids), d.int(0, 8))),
                                  max_blocks=d.choice([None, 0, 3, 16] + maybe_big()),
                                  pad=d.choice([0, -1])))(ids_list()),
-        "seq_lens": lambda: (lambda ids: m.seq_lens(ids, out=out_arr((len(ids),))))(ids_list()),
-        "csr": lambda: m.csr(ids_list(), pad=d.choice([0, -1])),
-        "slots": lambda: m.slots(seq_id(), d.choice([0, 0, 1, -1, 5]),
-                                 d.choice([None, None, 0, 3, 100] + maybe_big())),
-        "block_table": lambda: m.block_table(seq_id()),
-        "token_ids": lambda: m.token_ids(seq_id()),
-        "seq_len": lambda: m.seq_len(seq_id()),
-        "num_computed": lambda: m.num_computed(seq_id()),
-        "is_swapped": lambda: m.is_swapped(seq_id()),
-        "ref_count": lambda: m.ref_count(d.choice([0, 1, -1, m.num_blocks, 2**40])),
-        "cpu_ref_count": lambda: m.cpu_ref_count(d.choice([0, -1, m.num_cpu_blocks, 2**40])),
-        "is_cached": lambda: m.is_cached(d.choice([0, -1, m.num_blocks])),
-        "contains": lambda: seq_id() in m,
-        "stats": lambda: (m.prefix_cache_stats, len(m), repr(m), m.reset_prefix_cache_stats()),
+        "seq_lens": lambda: (lambda ids: one(ids, out=out_arr((len(ids),))))(ids_list()),
+        "csr": lambda: one(ids_list(), pad=d.choice([0, -1])),
+        "slots": lambda: one(seq_id(), d.choice([0, 0, 1, -1, 5]), d.choice([None, None, 0, 3, 100] + maybe_big())),
+        "block_table": lambda: one(seq_id()),
+        "token_ids": lambda: one(seq_id()),
+        "seq_len": lambda: one(seq_id()),
+        "num_computed": lambda: one(seq_id()),
+        "is_swapped": lambda: one(seq_id()),
+        "ref_count": lambda: one(d.choice([0, 1, -1, m.num_blocks, 2**40])),
+        "cpu_ref_count": lambda: one(d.choice([0, -1, m.num_cpu_blocks, 2**40])),
+        "is_cached": lambda: one(d.choice([0, -1, m.num_blocks])),
+        "contains": lambda: one(seq_id()),
+        "stats": lambda: one(),
     }  # fmt: skip
-    names = list(ops)
+    names = list(calls)
     for step in range(d.int(5, 40)):
         name = d.choice(names)
+        args, kwargs = calls[name]()
         before = _bm_snapshot(m)
         label = f"BlockManager.{name} (op {step})"
+        mirror = _MIRRORED.get(name)
         try:
-            result = ops[name]()
-        except allowed:
+            result = _run_bm_call(m, name, args, kwargs)
+        except allowed as e:
             after = _bm_snapshot(m)
             if after != before:
                 _fail(label, "a call that raised changed the manager")
+            if mirror is not None and isinstance(e, OOB):
+                try:
+                    mirror[0](ref, args, kwargs)
+                except (ReferenceOutOfBlocks, ValueError, KeyError):
+                    pass
+                else:
+                    _fail(label, f"raised {e!r}; the reference model took the call")
         except MemoryError:
             _fail(label, f"MemoryError:\n{traceback.format_exc()}")
         except Exception as e:  # noqa: BLE001
             _fail(label, f"raised {type(e).__name__}: {e}")
         else:
             _check_bm_result(label, m, name, result)
+            if mirror is not None:
+                try:
+                    expected = mirror[0](ref, args, kwargs)
+                except (ReferenceOutOfBlocks, ValueError, KeyError) as e:
+                    _fail(label, f"succeeded; the reference model raised {e!r}")
+                got = mirror[1](result)
+                if name == "step":
+                    expected = {k: expected[k] for k in got}
+                if got != expected:
+                    _fail(label, f"returned {got}; the reference model returned {expected}")
+        if _bm_snapshot(m) != _bm_snapshot(ref) or _stats(m) != _stats(ref):
+            _fail(label, f"state differs from the reference model's:\n  {_bm_snapshot(m)} {_stats(m)}\n"
+                         f"  {_bm_snapshot(ref)} {_stats(ref)}")  # fmt: skip
         try:
             m.check_invariants()
         except Exception as e:  # noqa: BLE001

@@ -413,8 +413,24 @@ class ReferenceBlockManager:
         need = -(-len(token_ids) // self.bs) - len(hit_blocks)
         return need <= self.num_available_blocks - from_lru - self.watermark_blocks
 
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        return self._append_demand(self._get(seq_id), num_tokens) <= self.num_available_blocks
+
     def can_append_batch(self, seq_ids: Sequence[int]) -> bool:
         return self._batch_demand(self._resolve(seq_ids)) <= self.num_available_blocks
+
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        if self.num_cpu_blocks == 0 or self.copies:
+            return False
+        seqs = self._resolve(seq_ids)
+        return len({b for s in seqs for b in s.blocks if b >= 0}) <= len(self.cpu_free)
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        if self.num_cpu_blocks == 0 or self.copies:
+            return False
+        seqs = self._resolve(seq_ids, gpu=False)
+        distinct = {c for s in seqs for c in s.blocks if c >= 0}
+        return len(distinct) <= self.num_available_blocks - self.watermark_blocks
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._get(seq_id, None).blocks)
@@ -432,3 +448,38 @@ class ReferenceBlockManager:
 
     def is_cached(self, block: int) -> bool:
         return block in self.block_key
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._get(seq_id, None).swapped
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        return list(self._get(seq_id, None).tokens)
+
+    def sequence_ids(self) -> list[int]:
+        return list(self.seqs)
+
+    def ref_count(self, block: int) -> int:
+        return self.ref[block]
+
+    def cpu_ref_count(self, block: int) -> int:
+        return self.cpu_ref[block]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    @property
+    def num_pending_copies(self) -> int:
+        return len(self.copies)
+
+    def reset_prefix_cache_stats(self) -> None:
+        self.queried = self.hits = self.evictions = 0
+
+    @property
+    def prefix_cache_stats(self) -> dict:
+        """The counters of ``BlockManager.prefix_cache_stats`` (without the derived hit rate)."""
+        return {"queried_tokens": self.queried, "hit_tokens": self.hits, "evictions": self.evictions}
