@@ -105,14 +105,24 @@ def _fail(label: str, msg: str) -> None:
 # ---------------------------------------------------------------------------------------
 # Shared helpers
 # ---------------------------------------------------------------------------------------
-def _float_dtypes() -> list:
-    out = [np.dtype(np.float32), np.dtype(np.float16)]
-    try:
-        import ml_dtypes
+# Valid calls draw from the library's own list of what it supports.
+SUPPORTED = pagedattn.supported()
+LAYOUTS = list(SUPPORTED["layouts"])
+FP8_KINDS = [k for k in SUPPORTED["kv_cache_dtypes"] if k != "auto"]
 
-        out.append(np.dtype(ml_dtypes.bfloat16))
-    except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
-        pass
+
+def _float_dtypes() -> list:
+    """Every supported dtype NumPy can hold (bfloat16 through ml_dtypes, when installed)."""
+    out = []
+    for name in SUPPORTED["dtypes"]:
+        if name == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
+                continue
+            out.append(np.dtype(ml_dtypes.bfloat16))
+        else:
+            out.append(np.dtype(name))
     return out
 
 
@@ -127,7 +137,7 @@ def _fp8_codes(kind: str) -> np.ndarray:
     return np.nonzero(np.isfinite(t) & (np.abs(t) <= 4.0))[0].astype(np.uint8)
 
 
-FP8_CODES = {k: _fp8_codes(k) for k in ("fp8_e4m3", "fp8_e5m2")}
+FP8_CODES = {k: _fp8_codes(k) for k in FP8_KINDS}
 
 
 def _expect_error(label: str, fn: Callable[[], Any], expected: tuple, known: Optional[str] = None) -> Outcome:
@@ -224,15 +234,15 @@ def _draw_cache_kind(d: Draw) -> tuple:
     """(rng, dtype, kv_cache_dtype, layout, cache dtype, x) of a random cache setup."""
     rng = d.rng()
     dtype = d.choice(FLOAT_DTYPES)
-    kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
-    layout = d.choice(["vllm", "nhd"])
+    kv = d.choice(["auto"] * len(FP8_KINDS) + FP8_KINDS)  # float caches half the time
+    layout = d.choice(LAYOUTS)
     cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
     return rng, dtype, kv, layout, cache_dt, 16 // cache_dt.itemsize
 
 
 def make_decode_problem(d: Draw) -> DecodeProblem:
     rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
-    big = d.bool(0.05)  # the CPU limits: head size or block size 1024
+    big = d.bool(0.05)  # the CPU limits on head size and block size
     K = d.int(1, 3)
     G = d.choice([1, 1, 2, 3, 4])
     if layout == "vllm":
@@ -244,9 +254,9 @@ def make_decode_problem(d: Draw) -> DecodeProblem:
     if big:
         K, G, S = 1, 1, min(S, 1)
         if d.bool():
-            D = 1024
+            D = SUPPORTED["cpu_max_head_size"]
         else:
-            B = 1024
+            B = SUPPORTED["cpu_max_block_size"]
     lens = [_seq_len(d, B) for _ in range(S)]
     if big:
         lens = [min(n, 2 * B) for n in lens]
