@@ -89,6 +89,8 @@ run_py -m pytest "$ROOT/tests/python" -q -p no:cacheprovider --ignore="$ROOT/tes
   -o addopts="" -x --capture=sys
 
 stamp "API fuzz under ASan + UBSan ($FUZZ_CASES cases)"
-run_py -m pagedattn.fuzz --cases "$FUZZ_CASES" --isolate 1000 --max-memory-mb 0
+# The fuzzer is test harness (tests/python/harness), run as a script: it imports the
+# sanitized pagedattn from PYTHONPATH, never a source copy.
+run_py "$ROOT/tests/python/harness/fuzz.py" --cases "$FUZZ_CASES" --isolate 1000 --max-memory-mb 0
 
 stamp "sanitizers clean"

@@ -21,7 +21,7 @@ from ._arrays import as_core, is_cuda, resolve_stream
 __all__ = ["copy_blocks", "swap_blocks"]
 
 
-def _mapping(block_mapping: Any, like: Any) -> Any:
+def _mapping(block_mapping: Any) -> Any:
     """Pairs as an array: lists / tuples become int64 NumPy arrays (host memory)."""
     if hasattr(block_mapping, "__dlpack__") or isinstance(block_mapping, np.ndarray):
         return block_mapping
@@ -51,7 +51,7 @@ def copy_blocks(
     caches = [as_core(c)[0] for c in list(key_caches) + list(value_caches)]
     if not caches:
         return
-    mapping = _mapping(block_mapping, caches[0])
+    mapping = _mapping(block_mapping)
     handle = resolve_stream(stream, caches[0]) if (stream is not None or is_cuda(caches[0])) else 0
     _core.copy_blocks(caches, mapping, stream=handle)
 
@@ -67,7 +67,7 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None) -
     """
     s, _ = as_core(src)
     d, _ = as_core(dst)
-    mapping = _mapping(block_mapping, src)
+    mapping = _mapping(block_mapping)
     gpu = src if is_cuda(src) else dst
     handle = resolve_stream(stream, gpu) if (stream is not None or is_cuda(gpu)) else 0
     _core.swap_blocks(s, d, mapping, stream=handle)

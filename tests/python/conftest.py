@@ -5,12 +5,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 import zlib
 
 import numpy as np
 import pytest
 
 import pagedattn
+
+# Test harness that is not part of the package (the API fuzzer, the block-manager soak and
+# the reference block manager) lives in harness/: importable from every test module.
+HARNESS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
+if HARNESS_DIR not in sys.path:
+    sys.path.insert(0, HARNESS_DIR)
 
 try:
     import ml_dtypes
@@ -19,7 +26,24 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
     BF16 = None
 
-DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BF16] if BF16 is not None else [])
+# What the library supports, read from pagedattn.supported() (its one list): tests that mean
+# "every supported X" iterate these; tests of chosen values keep their own lists.
+SUPPORTED = pagedattn.supported()
+DTYPE_NAMES = list(SUPPORTED["dtypes"])
+LAYOUTS = list(SUPPORTED["layouts"])
+KV_CACHE_DTYPES = list(SUPPORTED["kv_cache_dtypes"])
+FP8_KV_CACHE_DTYPES = [k for k in KV_CACHE_DTYPES if k != "auto"]
+CUDA_HEAD_SIZES = list(SUPPORTED["cuda_head_sizes"])
+CUDA_BLOCK_SIZES = list(SUPPORTED["cuda_block_sizes"])
+
+
+def np_dtype(name: str):
+    """The NumPy dtype of a supported dtype name; None for bfloat16 without ml_dtypes."""
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+# Every supported dtype that NumPy can hold here.
+DTYPES = [d for d in map(np_dtype, DTYPE_NAMES) if d is not None]
 # (atol, rtol) of an output of this dtype against the float64 reference computed from
 # the same (already rounded) inputs: float32 accumulation plus one output rounding.
 TOL = {"float32": (2e-5, 2e-5), "float16": (1.5e-3, 1.5e-3), "bfloat16": (1.2e-2, 1.2e-2)}

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 pagedattn = pytest.importorskip("pagedattn")
-from pagedattn.bench.block_manager_bench import ReferenceBlockManager, ReferenceOutOfBlocks  # noqa: E402
+from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks  # noqa: E402
 
 BlockManager = pagedattn.BlockManager
 OutOfBlocksError = pagedattn.OutOfBlocksError

@@ -1,6 +1,6 @@
 """pagedattn.BlockManager under stress.
 
-  * a seeded soak (python -m pagedattn.bm_soak) in a subprocess: zero violations;
+  * a seeded soak (harness/bm_soak.py) in a subprocess: zero violations;
   * out of blocks at every point of a request: for each kind of request the availability is
     swept from zero up to exactly what the request needs; every short attempt raises
     OutOfBlocksError and leaves the whole observable state unchanged, and the same request
@@ -22,7 +22,7 @@ import threading
 import pytest
 
 pagedattn = pytest.importorskip("pagedattn")
-from pagedattn import bm_soak  # noqa: E402
+import bm_soak  # noqa: E402
 
 BlockManager = pagedattn.BlockManager
 OutOfBlocksError = pagedattn.OutOfBlocksError
@@ -50,7 +50,7 @@ def snapshot(m) -> dict:
 # ---------------------------------------------------------------------------------------
 def test_soak_subprocess():
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "pagedattn.bm_soak", "--ops", "200000", "--seed", "7",
+    r = subprocess.run([sys.executable, bm_soak.__file__, "--ops", "200000", "--seed", "7",
                         "--check-every", "1000"], capture_output=True, text=True, timeout=120, env=env, cwd="/")
     assert r.returncode == 0, r.stdout + r.stderr
     line = re.search(r"^bm_soak: (\d+) ops, seed (\d+): (\d+) invariant violations, (\d+) failed-call state "

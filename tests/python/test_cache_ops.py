@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16
+from conftest import BF16, LAYOUTS
 
 
 def layer_caches(rng, layers, num_blocks=10, dtype=np.float32, layout="vllm"):
@@ -19,7 +19,7 @@ def layer_caches(rng, layers, num_blocks=10, dtype=np.float32, layout="vllm"):
     return keys, values
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mapping_dtype", [np.int64, np.int32])
 def test_copy_blocks_all_layers(rng, layout, mapping_dtype):
     keys, values = layer_caches(rng, 3, layout=layout)
@@ -66,7 +66,7 @@ def test_copy_blocks_errors(rng):
         pagedattn.copy_blocks([keys[0][:, :, ::2]], [], [(0, 1)])
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_swap_blocks_host(rng, layout):
     keys, _ = layer_caches(rng, 1, num_blocks=8, layout=layout)
     src = keys[0]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16, DTYPES, dtype_id
+from conftest import DTYPES, FP8_KV_CACHE_DTYPES, LAYOUTS, dtype_id
 from pagedattn.reference import fp8_decode, reshape_and_cache_ref
 
 
@@ -22,7 +22,7 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64], ids=dtype_id)
 def test_matches_reference(rng, dtype, layout, slot_dtype):
     nb, bs, kh, d, t = 6, 16, 3, 64, 40
@@ -39,7 +39,7 @@ def test_matches_reference(rng, dtype, layout, slot_dtype):
     assert np.isnan(kc.astype(np.float32)).sum() == (nb * bs - (slots >= 0).sum()) * kh * d
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_key_value_from_fused_kv(rng, layout):
     nb, bs, kh, d, t = 4, 8, 2, 32, 20
     kv = rng.standard_normal((t, 2, kh, d)).astype(np.float16)
@@ -79,7 +79,7 @@ def _rne_reference_fp8(x: np.ndarray, kind: str) -> np.ndarray:
     return np.where(res == 0, 0.0, res) * 1.0
 
 
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
 def test_fp8_rounding_is_nearest_even_and_saturating(rng, kind):
     d = 64
     x = np.concatenate([
@@ -103,7 +103,7 @@ def test_fp8_nan_stays_nan():
     assert np.isnan(fp8_decode(kc, "fp8_e4m3")).all()
 
 
-@pytest.mark.parametrize("dtype", [np.float16] + ([BF16] if BF16 is not None else []), ids=dtype_id)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.itemsize == 2], ids=dtype_id)
 def test_output_rounding_matches_numpy_bit_for_bit(rng, dtype):
     """Two tokens with identical keys get weight 1/2 each, so the float32 result is
     (v1 + v2) * 0.5 exactly; its rounding to the output dtype must equal NumPy's

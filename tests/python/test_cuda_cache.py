@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16
+from conftest import BF16, DTYPE_NAMES, KV_CACHE_DTYPES, LAYOUTS
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
@@ -33,9 +33,9 @@ def raw(t):
     return np.ascontiguousarray(t).view(np.uint8)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
-@pytest.mark.parametrize("kind", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", KV_CACHE_DTYPES)
 def test_reshape_and_cache_matches_cpu(rng, dtype, layout, kind):
     dt = NP[dtype]
     nb, bs, kh, d, t = 7, 16, 3, 128 if kind == "auto" else 64, 50

@@ -14,7 +14,18 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16, TOL, assert_close, make_problem
+from conftest import (
+    BF16,
+    CUDA_BLOCK_SIZES,
+    CUDA_HEAD_SIZES,
+    DTYPE_NAMES,
+    FP8_KV_CACHE_DTYPES,
+    LAYOUTS,
+    TOL,
+    assert_close,
+    make_problem,
+    np_dtype,
+)
 from pagedattn.reference import paged_attention_ref
 
 torch = pytest.importorskip("torch")
@@ -22,7 +33,7 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
-NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+NP_DTYPES = {name: np_dtype(name) for name in DTYPE_NAMES}
 
 
 def to_torch(a):
@@ -89,9 +100,9 @@ def check(p, dtype, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=No
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
 @pytest.mark.parametrize("version", [1, 2])
 def test_grid_lengths_around_blocks(rng, dtype, layout, block_size, version):
     b = block_size
@@ -101,8 +112,9 @@ def test_grid_lengths_around_blocks(rng, dtype, layout, block_size, version):
     check(p, NP_DTYPES[dtype], version=version, partition_size=64 if version == 2 else 0)
 
 
-@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256, 8, 40, 72, 136, 248])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+# every specialised head size, and generic multiples of 8 at both ends and between
+@pytest.mark.parametrize("head_size", CUDA_HEAD_SIZES + [8, 40, 72, 136, 248])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_head_size(rng, head_size, layout):
     dtype = NP_DTYPES["float16"] if head_size % 16 else NP_DTYPES["bfloat16"]
     p = make_problem(rng, [5, 77, 16], num_heads=4, num_kv_heads=2, head_size=head_size, dtype=dtype, layout=layout)
@@ -123,23 +135,23 @@ def test_gqa_groups(rng, heads, dtype):
     check(p, NP_DTYPES[dtype])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("version", [1, 2])
 def test_alibi(rng, dtype, layout, version):
     p = make_problem(rng, [1, 17, 300], num_heads=8, num_kv_heads=4, layout=layout, alibi=True, dtype=NP_DTYPES[dtype])
     check(p, NP_DTYPES[dtype], version=version, partition_size=128 if version == 2 else 0)
 
 
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_caches(rng, kind, dtype, layout):
     p = fp8_problem(rng, [0, 1, 15, 17, 250], kind=kind, dtype=NP_DTYPES[dtype], layout=layout)
     check(p, NP_DTYPES[dtype], kv_cache_dtype=kind, k_scale=0.05, v_scale=0.03)
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_fp8_block_sizes_and_odd_head(rng, layout, block_size):
     head = 80 if layout == "vllm" else 72  # vllm fp8 needs a multiple of x = 16

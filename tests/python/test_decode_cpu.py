@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16, DTYPES, assert_close, dtype_id, make_problem
+from conftest import BF16, DTYPES, FP8_KV_CACHE_DTYPES, LAYOUTS, assert_close, dtype_id, make_problem
 from pagedattn.reference import paged_attention_ref
 
 
@@ -35,14 +35,14 @@ def test_seed_opt_30b(rng):
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1), (8, 2), (4, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_grouped_query(rng, heads, layout):
     p = make_problem(rng, [1, 33, 100], num_heads=heads[0], num_kv_heads=heads[1], head_size=64, layout=layout)
     run_and_check(p, np.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_lengths_around_block_boundaries(rng, dtype, layout, block_size):
     b = block_size
@@ -52,7 +52,7 @@ def test_lengths_around_block_boundaries(rng, dtype, layout, block_size):
     assert np.all(out[0] == 0), "a sequence of length 0 must yield zeros"
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_alibi(rng, layout):
     p = make_problem(rng, [1, 17, 300], num_heads=8, num_kv_heads=4, layout=layout, alibi=True)
     run_and_check(p, np.float32)
@@ -88,7 +88,7 @@ def test_any_head_and_block_size_nhd(rng, head_size, block_size):
     run_and_check(p, np.float32)
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_query_and_out(rng, layout):
     """query as the Q part of a fused QKV tensor, output into a strided view."""
     h, kh, d = 8, 2, 64
@@ -142,8 +142,8 @@ def test_bfloat16_output_dtype(rng):
     assert out.dtype == BF16
 
 
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=dtype_id)
 def test_fp8_cache_decode(rng, kind, layout, dtype):
     """fp8 caches written by reshape_and_cache and read by decode, with scales."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16, assert_close, make_problem
+from conftest import BF16, DTYPE_NAMES, LAYOUTS, assert_close, make_problem
 from pagedattn import _core
 from pagedattn.reference import paged_attention_ref
 
@@ -43,8 +43,8 @@ class DLPackOnly:
         return self.a.__dlpack_device__()
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_exchange_matches_reference(rng, dtype_name, layout):
     if dtype_name == "bfloat16" and BF16 is None:
         pytest.skip("needs ml_dtypes")
@@ -124,7 +124,7 @@ def test_exchange_num_seqs_mismatch_allocates_nothing(rng):
         pagedattn.paged_attention(*args)
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_reshape_and_cache_fast_path(rng, layout):
     kshape, vshape = pagedattn.kv_cache_shape(6, 16, 2, 64, torch.float16, layout)
     kc = torch.full(kshape, float("nan"), dtype=torch.float16)

@@ -1,13 +1,13 @@
-"""API fuzzing: every public function, valid and invalid input (see pagedattn/fuzz.py).
+"""API fuzzing: every public function, valid and invalid input (see harness/fuzz.py).
 
-- A batch of seeded cases runs in a subprocess (python -m pagedattn.fuzz --isolate), so a
+- A batch of seeded cases runs in a subprocess (harness/fuzz.py --isolate), so a
   segfault or abort is counted as a crash and fails the test instead of killing pytest.
 - The same generators run in-process under hypothesis, one test per target, so a
   failure shrinks to a small reproducer.
 - Meta-tests show that the fuzzer does catch a wrong answer, a wrong error type, a
   missing error and a crash.
-- Regression tests pin the bugs the fuzzer found and that are fixed; known open issues
-  (pagedattn.fuzz.KNOWN_ISSUES) are pinned as strict xfails, which fail once fixed.
+- Regression tests pin the bugs the fuzzer found and that are fixed; the fuzzer's list of
+  known open issues (fuzz.KNOWN_ISSUES) is pinned empty.
 
 PAGEDATTN_FUZZ_CASES sets the size of the subprocess batch (default 6000, a few seconds).
 """
@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fuzz
 import pagedattn
 from conftest import BASE_SEED
-from pagedattn import fuzz
 
 CASES = int(os.environ.get("PAGEDATTN_FUZZ_CASES", "6000"))
 SUMMARY = re.compile(r"fuzz: (\d+) cases, seed (\d+): (\d+) crashes, (\d+) mismatches, (\d+) failures")
@@ -45,7 +45,7 @@ def limit_memory(nbytes: int) -> str:
 
 
 def run_fuzz(*args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, re.Match]:
-    r = subprocess.run([sys.executable, "-m", "pagedattn.fuzz", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, fuzz.__file__, *args], capture_output=True, text=True,
                        timeout=timeout)  # fmt: skip
     m = SUMMARY.search(r.stdout)
     assert m, f"no summary line (exit status {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

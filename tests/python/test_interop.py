@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import assert_close, make_problem
+from conftest import DTYPE_NAMES, assert_close, make_problem
 from pagedattn.reference import paged_attention_ref
 
 
@@ -16,7 +16,7 @@ def test_numpy_in_numpy_out(rng):
     assert type(out) is np.ndarray
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
 def test_torch_cpu(rng, dtype_name):
     torch = pytest.importorskip("torch")
     dt = getattr(torch, dtype_name)

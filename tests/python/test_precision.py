@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16
+from conftest import BF16, LAYOUTS
 from pagedattn.reference import dense_attention, paged_attention_ref
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -100,7 +100,7 @@ def measure(rng: np.random.Generator, path: str, length: int, layout: str = "vll
     return dict(e2e=e2e, e2e_max=e2e_max, kernel=kern, kernel_max=kern_max)
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_precision_within_documented_bounds(rng, path, length, layout):
@@ -117,7 +117,7 @@ def test_precision_within_documented_bounds(rng, path, length, layout):
 def test_float32_is_not_computed_in_lower_precision(rng):
     """No silent precision loss: float32 in, float32 accuracy out (a half-precision
     intermediate anywhere would cost at least 1e-4)."""
-    worst = max(measure(rng, "float32", n, layout)["e2e"] for n in (17, 2048) for layout in ("vllm", "nhd"))
+    worst = max(measure(rng, "float32", n, layout)["e2e"] for n in (17, 2048) for layout in LAYOUTS)
     assert worst < 2e-6
 
 
@@ -134,7 +134,7 @@ if __name__ == "__main__":  # prints the measured table (max over seeds)
     print(f"{'path':32s} {'e2e rel':>9s} {'e2e max':>9s} {'kernel rel':>10s} {'kernel max':>10s}")
     for path in PATHS:
         ms = [measure(np.random.default_rng([s, n]), path, n, layout) for s in range(seeds) for n in LENGTHS
-              for layout in ("vllm", "nhd")]  # fmt: skip
+              for layout in LAYOUTS]  # fmt: skip
         worst = {key: max(m[key] for m in ms) for key in ms[0]}
         print(f"{path:32s} {worst['e2e']:9.1e} {worst['e2e_max']:9.1e} {worst['kernel']:10.1e} "
               f"{worst['kernel_max']:10.1e}")  # fmt: skip

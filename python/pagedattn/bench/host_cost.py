@@ -3,11 +3,11 @@
     python -m pagedattn.bench.host_cost [--calls N]
 
 Times the Python-side cost of issuing one decode (argument conversion, validation,
-launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (through the
-DLPack C exchange fast path, and through the general DLPack path), the same call with
-zero sequences (no launch) and without the Python wrapper, an eager call with CuPy
-arrays, a PreparedDecode (validated once) run, and for scale one torch kernel launch and
-the same torch call with nothing to launch.
+launch) for the seeds' OPT-125m shape, for: eager calls with torch tensors (converted
+through the DLPack C exchange table, and through ``__dlpack__`` for arrays that hide the
+table), the same call with zero sequences (no launch), an eager call with CuPy arrays, a
+PreparedDecode (validated once) run, and for scale one torch kernel launch and the same
+torch call with nothing to launch.
 Each figure is the median wall time of single calls, issued while the GPU is kept busy
 by a long spin so that launches never wait for the device.
 """
@@ -34,6 +34,19 @@ def _problem(rng):
         block_tables=np.arange(nb, dtype=np.int32).reshape(s, -1),
         seq_lens=np.full(s, length, np.int32),
     )
+
+
+class _DLPackOnly:
+    """An array that offers only the DLPack protocol (its type has no exchange table)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
 
 
 def _median_call_us(fn, calls, busy):
@@ -64,29 +77,22 @@ def run(calls: int = 500):
     )
     rows["eager, torch tensors, new output"] = _median_call_us(lambda: pagedattn.paged_attention(*args_t), calls, busy)
     rows["eager, torch tensors, out=, single pass (one launch)"] = _median_call_us(
-        lambda: pagedattn.paged_attention(*args_t, out=out_t, version=1), calls, busy
+        lambda: pagedattn.paged_attention(*args_t, out=out_t, kernel="single_pass"), calls, busy
     )
-    # The general path (nanobind's DLPack import through __dlpack__), which the fast path
-    # replaces for producers offering the DLPack C exchange API; a NumPy-integer stream
-    # handle is declined by the fast path.
-    handle = np.int64(torch.cuda.current_stream().cuda_stream)
-    rows["eager, torch tensors, out=, general DLPack path"] = _median_call_us(
-        lambda: pagedattn.paged_attention(*args_t, out=out_t, stream=handle), calls, busy
+    # Arrays whose type offers no exchange table go through __dlpack__ (one Python call
+    # per array): torch tensors behind a wrapper that offers only the DLPack protocol.
+    wrapped = [_DLPackOnly(a) for a in args_t]
+    out_w = _DLPackOnly(out_t)
+    rows["eager, torch tensors, out=, through __dlpack__"] = _median_call_us(
+        lambda: pagedattn.paged_attention(*wrapped, out=out_w), calls, busy
     )
     # Where an eager call's time goes: the same call with zero sequences (array
-    # conversion and every check, no launch), and the compiled entry point called
-    # directly (no Python wrapper frame).
+    # conversion and every check, no launch).
     empty = (t["query"][:0], t["key_cache"], t["value_cache"], t["block_tables"][:0], t["seq_lens"][:0])
     out_empty = out_t[:0]  # sliced once: a torch slice per call would be timed too
     rows["eager, torch tensors, out=, zero sequences (no launch)"] = _median_call_us(
         lambda: pagedattn.paged_attention(*empty, out=out_empty), calls, busy
     )
-    core = pagedattn._core.paged_attention_exchange
-    core_args = (out_t, *args_t, None, None, "auto", 1.0, 1.0, 0, 0, None, False, None)  # paged_attention's defaults
-    if core(*core_args) is not None:  # None: this torch offers no exchange API
-        rows["eager, compiled entry point alone (no Python frame)"] = _median_call_us(
-            lambda: core(*core_args), calls, busy
-        )
     rows["for scale: one torch kernel launch (out.zero_())"] = _median_call_us(out_t.zero_, calls, busy)
     # The same torch call on an empty tensor launches nothing: the difference from the row
     # above is what one kernel launch costs on this host.

@@ -9,7 +9,7 @@ warm-ups between the eviction and the spin:
   both    code and pages
   warm    no eviction at all (the data in L2 where it fits)
 
-    python3 .ci/cold_start.py [--shapes=b1 x4096,opt-30b] [--reps=30]
+    python3 benchmarks/cold_start.py [--shapes=b1 x4096,opt-30b] [--reps=30]
 """
 
 import statistics

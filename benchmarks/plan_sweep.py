@@ -1,7 +1,7 @@
 """Times each benchmark shape (vllm layout) at the automatic plan, single pass and a
 range of partition counts, to fit the planner's model to measurements (GPU machine only).
 
-    python3 .ci/plan_sweep.py [--shapes=sub1,sub2] [--nps=1,2,3,4]
+    python3 benchmarks/plan_sweep.py [--shapes=sub1,sub2] [--nps=1,2,3,4]
 """
 
 import sys

@@ -4,8 +4,8 @@
 # then times every benchmark shape with each build in turn (base, new, base, new) and the
 # planner sweep with "new"; the "host" stage runs the host-cost script with each build in
 # turn, PA_HOST_ROUNDS times (default 3). Results in $OUT/ab.txt.
-#   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep host" bash .ci/device_ab.sh
-#   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash .ci/device_ab.sh
+#   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep host" bash benchmarks/device_ab.sh
+#   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash benchmarks/device_ab.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -44,7 +44,7 @@ fi
 if has sanitize; then  # compute-sanitizer on the kernel sample, "new" build
   for tool in memcheck racecheck; do
     PYTHONPATH=/tmp/ab-new timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-      python3 "$REPO/.ci/sanitize_sample.py" $tool > "$OUT/sanitize_$tool.log" 2>&1
+      python3 "$REPO/benchmarks/sanitize_sample.py" $tool > "$OUT/sanitize_$tool.log" 2>&1
     note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
   done
 fi
@@ -54,7 +54,7 @@ if has ab; then
   for round in 1 2; do
     for r in $runs; do
       tag=${r%%=*}; spec=${r#*=}; b=${spec%%+*}; envs=(); [[ $spec == *+* ]] && envs=(${spec#*+})
-      env "${envs[@]}" PYTHONPATH=/tmp/ab-$b:$REPO/.ci timeout 150 python3 "$REPO/.ci/ab_time.py" "$tag$round" \
+      env "${envs[@]}" PYTHONPATH=/tmp/ab-$b:$REPO/benchmarks timeout 150 python3 "$REPO/benchmarks/ab_time.py" "$tag$round" \
         ${PA_AB_ARGS:-} >> "$S" 2>&1
     done
   done
@@ -92,7 +92,7 @@ for k, v in t.items():
 PY
 fi
 if has sweep; then
-  PYTHONPATH=/tmp/ab-new:$REPO/.ci timeout 300 python3 "$REPO/.ci/plan_sweep.py" ${PA_SWEEP_ARGS:-} >> "$S" 2>&1
+  PYTHONPATH=/tmp/ab-new:$REPO/benchmarks timeout 300 python3 "$REPO/benchmarks/plan_sweep.py" ${PA_SWEEP_ARGS:-} >> "$S" 2>&1
   note "sweep: rc=$?"
 fi
 echo "==== ab"; cat "$S"

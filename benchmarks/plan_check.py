@@ -1,7 +1,7 @@
 """Times chosen (version, partition size) settings of multi-wave decode shapes side by side,
 to check the planner's choice against its alternatives (GPU machine only).
 
-    python3 .ci/plan_check.py
+    python3 benchmarks/plan_check.py
 """
 
 import torch

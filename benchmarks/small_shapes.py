@@ -1,7 +1,7 @@
 """Small decode shapes on the GPU: forced single pass, partition sizes, and both L2
 eviction modes of the benchmark timer, in one process (GPU machine only).
 
-    python3 .ci/small_shapes.py [--quick] [--shapes=sub1,sub2] [--psizes=64,128] [tag]
+    python3 benchmarks/small_shapes.py [--quick] [--shapes=sub1,sub2] [--psizes=64,128] [tag]
 """
 
 import sys

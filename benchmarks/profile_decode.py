@@ -1,6 +1,6 @@
 """Runs one decode shape a few times, for a profiler to capture (GPU machine only).
 
-    python .ci/profile_decode.py [layout] [batch] [context]
+    python benchmarks/profile_decode.py [layout] [batch] [context]
 """
 
 import sys

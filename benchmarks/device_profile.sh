@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Profiles the decode kernels with Nsight Compute (clocks left alone). Logs in $OUT.
-#   PA_PROFILE="vllm:32:16384 vllm:1:16384" bash .ci/device_profile.sh
+#   PA_PROFILE="vllm:32:16384 vllm:1:16384" bash benchmarks/device_profile.sh
 #   PA_NCU_EXTRA="--section MemoryWorkloadAnalysis_Tables" PA_NCU_METRICS="dram__bytes_read.sum,..." add to it
 set -u
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -16,11 +16,11 @@ for spec in ${PA_PROFILE:-vllm:32:16384 nhd:32:16384}; do
     --section WarpStateStats --section SchedulerStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio${PA_NCU_METRICS:+,$PA_NCU_METRICS}" \
     ${PA_NCU_EXTRA:-} \
-    python3 "$REPO/.ci/profile_decode.py" $layout $batch $ctx > "$f" 2>&1
+    python3 "$REPO/benchmarks/profile_decode.py" $layout $batch $ctx > "$f" 2>&1
   echo "ncu $spec rc=$?"
   # every kernel's duration (decode + reduce) of the same calls
   timeout 100 ncu --clock-control none -k regex:decode --metrics gpu__time_duration.sum \
-    python3 "$REPO/.ci/profile_decode.py" $layout $batch $ctx 2>&1 | grep -E "decode_|gpu__time_duration" | tail -4 >> "$f"
+    python3 "$REPO/benchmarks/profile_decode.py" $layout $batch $ctx 2>&1 | grep -E "decode_|gpu__time_duration" | tail -4 >> "$f"
 done
 for f in "$OUT"/ncu_*.txt; do
   echo "== $f"

@@ -1,6 +1,6 @@
-"""Long seeded soak of pagedattn.BlockManager against an independent Python shadow.
+"""Long seeded soak of pagedattn.BlockManager against the reference model and a model of the KV cache.
 
-    python -m pagedattn.bm_soak --ops 5000000 --seed 1 [--check-every 2000]
+    python tests/python/harness/bm_soak.py --ops 5000000 --seed 1 [--check-every 2000]
 
 Several managers with small pools (so that running out of blocks, LRU eviction, swapping and
 copy-on-write happen all the time) are driven through random operations: add_sequence with
@@ -9,22 +9,25 @@ swap_out / swap_in, preemption by recomputation (free + add_sequence), take_copy
 deliberately invalid calls and an occasional full drain. Configurations: prefix caching on
 and off, a sliding window on one, a watermark, with and without a CPU pool.
 
-The shadow is independent of the C++ manager. It keeps every live sequence's token ids,
-computed cursor, swapped flag and block table, and a model of the KV cache itself: the
-content of every GPU and CPU cache slot, written by the step's slot mapping, moved by
-copy-on-write pairs and by swap pairs. The content of a position is a hash of the whole
-prefix up to it (and the sequence's extra key), i.e. what the attention kernel would read.
-After every call it checks:
-  * the call succeeded or failed exactly as the shadow predicted from pool counts, table
-    sharing and (with caching) the registered prefixes, and the can_* queries agree;
+Every call also runs on the reference block manager (reference_block_manager.py, the one
+Python model of the manager's policy), which says what the call must do: succeed, or fail
+with which error; which hits, blocks, slots, copy pairs and swap pairs it hands out; what
+the pool counts and prefix-cache counters become. Beside it the soak keeps a model of the KV
+cache itself, which owes nothing to the policy: the content of every GPU and CPU cache slot,
+written by the step's slot mapping, moved by copy-on-write pairs and by swap pairs. The
+content of a position is a hash of the whole prefix up to it (and the sequence's extra key),
+i.e. what the attention kernel would read. After every call it checks:
+  * the call succeeded or failed as on the reference model, with the same error type, and
+    the can_* queries agree with it;
   * a failed call (any exception) left the observable state unchanged: tables, lengths,
     token ids, computed cursors, swap flags, every pool count, the prefix-cache stats;
-  * lengths, token ids and tables of the touched sequences; every slot handed out (by
-    append or by a step) lies in its table's block, in a block held by exactly one
-    sequence, and is unique within the step; released (sliding-window) blocks lie entirely
-    out of every future query's reach; free + used + cached == num_blocks;
-  * with caching: the prefix hits returned are exactly the longest registered prefix,
-    evictions and the hit / queried token counters move exactly as the shadow predicts.
+  * results (hits, slots, step metadata, copy and swap pairs), the touched sequences'
+    lengths, computed cursors, swap flags and tables, every pool count and the prefix-cache
+    counters equal the reference model's;
+  * every slot handed out (by append or by a step) lies in its table's block, in a block
+    held by exactly one sequence, and is unique within the step; a prefix hit reuses blocks
+    that hold the prompt's KV; released (sliding-window) blocks lie entirely out of every
+    future query's reach; free + used + cached == num_blocks.
 Every --check-every operations (and at the end) a full audit runs m.check_invariants() plus:
 reference counts == number of table entries holding each block (GPU and CPU), used ==
 blocks held, a shared block always at the same table index, every computed token's cache
@@ -47,6 +50,7 @@ import time
 from typing import Optional
 
 import pagedattn
+from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks
 
 BlockManager = pagedattn.BlockManager
 OutOfBlocksError = pagedattn.OutOfBlocksError
@@ -65,6 +69,9 @@ CONFIGS = [
 SYSTEM = [[1, 2, 1, 0, 2, 2, 1, 0, 1, 1, 2, 0, 2, 1, 1, 0], [2, 2, 2, 1, 0, 0, 1, 2, 2, 0], [3] * 12, []]
 
 EXPECTED_ERRORS = (OutOfBlocksError, KeyError, ValueError)
+# The reference model's error -> the error the C++ manager must raise for the same call.
+SAME_ERROR = {ReferenceOutOfBlocks: OutOfBlocksError, ValueError: ValueError, KeyError: KeyError}
+REFERENCE_ERRORS = tuple(SAME_ERROR)
 
 
 class Violation(Exception):
@@ -76,14 +83,12 @@ class FailedCallChanged(Violation):
 
 
 class _Seq:
-    __slots__ = ("tokens", "ph", "nc", "swapped", "table", "extra")
+    """What the KV-cache model knows of a live sequence: the content each position holds."""
 
-    def __init__(self, tokens: list, ph: list, nc: int, table: list, extra: int) -> None:
-        self.tokens = tokens
+    __slots__ = ("ph", "extra")
+
+    def __init__(self, ph: list, extra: int) -> None:
         self.ph = ph  # ph[p]: hash of (extra, tokens[0..p]) = the KV content of position p
-        self.nc = nc
-        self.swapped = False
-        self.table = table
         self.extra = extra
 
 
@@ -96,8 +101,12 @@ def _prefix_hashes(extra: int, tokens: list, start: Optional[list] = None) -> li
     return ph
 
 
+def _pairs(a) -> list:
+    return [tuple(p) for p in a.tolist()]
+
+
 class Soak:
-    """One manager and its shadow."""
+    """One manager, its reference model and the KV-cache model."""
 
     def __init__(self, cfg: dict, rng: random.Random) -> None:
         self.cfg = dict(cfg)
@@ -117,17 +126,19 @@ class Soak:
     def reset(self) -> None:
         kw = {k: v for k, v in self.cfg.items() if k not in ("num_blocks", "block_size")}
         self.m = BlockManager(self.nb, self.bs, **kw)
+        self.ref = ReferenceBlockManager(self.nb, self.bs, **kw)
         self.wm = self.m.watermark_blocks
+        if self.wm != self.ref.watermark_blocks:
+            self.bad(f"watermark_blocks {self.wm} != {self.ref.watermark_blocks}")
         self.seqs: dict = {}
         self.ids: list = []  # live ids (GPU and swapped), for random choice
         self.gpu = [[None] * self.bs for _ in range(self.nb)]
         self.cpu = [[None] * self.bs for _ in range(self.ncpu)]
         self.next_id = 1
-        self.stats = [0, 0, 0]  # queried_tokens, hit_tokens, evictions
 
     # ---- helpers -----------------------------------------------------------------------
-    def counts(self) -> tuple:
-        m = self.m
+    @staticmethod
+    def counts(m) -> tuple:
         return (m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks, m.num_free_cpu_blocks, m.num_sequences,
                 m.num_pending_copies)
 
@@ -136,75 +147,91 @@ class Soak:
 
     def check_stats(self) -> None:
         st = self.m.prefix_cache_stats
-        got = [st["queried_tokens"], st["hit_tokens"], st["evictions"]]
-        if got != self.stats:
-            self.bad(f"prefix_cache_stats {got} != expected {self.stats}")
+        got = {k: st[k] for k in ("queried_tokens", "hit_tokens", "evictions")}
+        if got != self.ref.prefix_cache_stats:
+            self.bad(f"prefix_cache_stats {got} != reference {self.ref.prefix_cache_stats}")
 
     def check_seq(self, sid: int) -> None:
-        s = self.seqs[sid]
-        m = self.m
-        if m.seq_len(sid) != len(s.tokens):
-            self.bad(f"seq {sid}: seq_len {m.seq_len(sid)} != {len(s.tokens)}")
-        if m.num_computed(sid) != s.nc:
-            self.bad(f"seq {sid}: num_computed {m.num_computed(sid)} != {s.nc}")
-        if m.is_swapped(sid) != s.swapped:
-            self.bad(f"seq {sid}: is_swapped {m.is_swapped(sid)} != {s.swapped}")
-        if m.block_table(sid) != s.table:
-            self.bad(f"seq {sid}: block table {m.block_table(sid)} != {s.table}")
+        m, r = self.m, self.ref
+        for what in ("seq_len", "num_computed", "is_swapped", "block_table"):
+            got, want = getattr(m, what)(sid), getattr(r, what)(sid)
+            if got != want:
+                self.bad(f"seq {sid}: {what} {got} != reference {want}")
 
     def unchanged(self, before: tuple, what: str, err: BaseException) -> None:
-        """After a failed call: the observable state must be exactly as before."""
+        """After a failed call: the observable state must be exactly as before (the reference
+        model, which refused the call too, holds it)."""
         m = self.m
         try:
-            now = self.counts()
+            now = self.counts(m)
             if now != before:
                 raise FailedCallChanged(f"counts {before} -> {now}")
-            if self.caching:
-                self.check_stats()
+            self.check_stats()
             if sorted(m.sequence_ids()) != sorted(self.ids):
                 raise FailedCallChanged("sequence ids changed")
-            for sid, s in self.seqs.items():
+            for sid in self.ids:
                 self.check_seq(sid)
-                if m.token_ids(sid).tolist() != s.tokens:
+                if m.token_ids(sid).tolist() != self.ref.token_ids(sid):
                     raise FailedCallChanged(f"seq {sid}: token ids changed")
         except FailedCallChanged as e:
             raise FailedCallChanged(f"[{self.name}] {what} raised {err!r} and changed the state: {e}") from None
         except Violation as e:
             raise FailedCallChanged(f"{what} raised {err!r} and changed the state: {e}") from None
 
-    def expect(self, what: str, predicted_ok: bool, fn, *args, **kwargs):
-        """Runs one call; it must succeed iff predicted. Returns (ok, result)."""
+    def call(self, what: str, name: str, *args, **kwargs) -> tuple:
+        """Runs one call on the reference model, then on the manager: both succeed, or both fail
+        with the same error type. Returns (ok, the manager's result or error, the model's)."""
         self.calls += 1
-        before = self.counts()
+        m, ref = self.m, self.ref
+        before = self.counts(m)
         if before[0] + before[1] + before[2] != self.nb:
             self.bad(f"free + cached + used = {before[:3]} != {self.nb}")
+        evictions = ref.evictions
         try:
-            r = fn(*args, **kwargs)
+            expected = getattr(ref, name)(*args, **kwargs)
+        except REFERENCE_ERRORS as e:
+            expected = e
+        try:
+            r = getattr(m, name)(*args, **kwargs)
         except EXPECTED_ERRORS as e:
             self.failed_calls += 1
+            if not isinstance(expected, REFERENCE_ERRORS):
+                self.bad(f"{what}: raised {e!r}, the reference model succeeded")
+            if not isinstance(e, SAME_ERROR[type(expected)]):
+                self.bad(f"{what}: raised {e!r}, the reference model raised {expected!r}")
             self.unchanged(before, what, e)
-            if predicted_ok:
-                self.bad(f"{what}: raised {e!r}, expected success")
-            return False, e
-        if not predicted_ok:
-            self.bad(f"{what}: succeeded, expected a failure")
+            return False, e, expected
+        if isinstance(expected, REFERENCE_ERRORS):
+            self.bad(f"{what}: succeeded, the reference model raised {expected!r}")
+        after, want = self.counts(m), self.counts(ref)
+        if after != want:
+            self.bad(f"{what}: counts (free, cached, used, free cpu, seqs, pending copies) {after} != reference {want}")
+        self.check_stats()
+        self.events["evictions"] += ref.evictions - evictions
         key = what.split("(", 1)[0]
         self.done[key] = self.done.get(key, 0) + 1
-        return True, r
+        return True, r, expected
 
-    def expect_error(self, what: str, err_type, fn, *args, **kwargs) -> None:
-        ok, e = self.expect(what, False, fn, *args, **kwargs)
-        if not isinstance(e, err_type):
-            self.bad(f"{what}: raised {e!r}, expected {err_type.__name__}")
+    def expect_error(self, what: str, err_type, name: str, *args, **kwargs) -> None:
+        """A call that must fail with err_type (on both) and change nothing."""
+        ok, e, _ = self.call(what, name, *args, **kwargs)
+        if ok or not isinstance(e, err_type):
+            self.bad(f"{what}: {'succeeded' if ok else f'raised {e!r}'}, expected {err_type.__name__}")
 
     def gpu_ids(self, pred=None) -> list:
-        return [i for i in self.ids if not self.seqs[i].swapped and (pred is None or pred(self.seqs[i]))]
+        r = self.ref
+        return [i for i in self.ids if not r.is_swapped(i) and (pred is None or pred(i))]
 
-    def blocks_for(self, n: int) -> int:
-        return -(-n // self.bs)
+    def uncomputed(self, sid: int) -> bool:
+        return self.ref.num_computed(sid) < self.ref.seq_len(sid)
 
     def avail(self) -> int:
         return self.m.num_available_blocks
+
+    def extend_content(self, sid: int) -> None:
+        """The sequence got tokens: extend the content its positions will hold."""
+        s = self.seqs[sid]
+        _prefix_hashes(s.extra, self.ref.token_ids(sid), s.ph)
 
     def registry(self) -> dict:
         """Prefix hash of each registered block -> block (from the cache content model)."""
@@ -219,9 +246,9 @@ class Soak:
                 reg[key] = b
         return reg
 
-    def write_slots(self, s: _Seq, start: int, slots) -> None:
+    def write_slots(self, sid: int, start: int, slots) -> None:
         """A step computes positions [start, start + len(slots)): write their cache content."""
-        bs, m, tbl = self.bs, self.m, s.table
+        bs, m, tbl, ph = self.bs, self.m, self.m.block_table(sid), self.seqs[sid].ph
         last_b = -1
         for k, slot in enumerate(slots):
             pos = start + k
@@ -232,13 +259,15 @@ class Soak:
                 if m.ref_count(b) != 1:
                     self.bad(f"slot {slot} handed out in block {b} with ref count {m.ref_count(b)}")
                 last_b = b
-            self.gpu[b][off] = s.ph[pos]
+            self.gpu[b][off] = ph[pos]
 
-    def check_new_slots(self, s: _Seq, start: int, slots) -> None:
-        bs, m = self.bs, self.m
-        for k, slot in enumerate(slots.tolist()):
+    def check_new_slots(self, sid: int, start: int, slots, expected: list) -> None:
+        if slots.tolist() != expected:
+            self.bad(f"seq {sid}: slots {slots.tolist()} != reference {expected}")
+        bs, m, tbl = self.bs, self.m, self.m.block_table(sid)
+        for k, slot in enumerate(expected):
             pos = start + k
-            b = s.table[pos // bs]
+            b = tbl[pos // bs]
             if slot != b * bs + pos % bs:
                 self.bad(f"append slot {slot} of position {pos} != table block {b}")
             if m.ref_count(b) != 1:
@@ -246,18 +275,10 @@ class Soak:
 
     def apply_copies(self, pairs) -> None:
         self.events["copies"] += len(pairs)
-        for src, dst in pairs.tolist():
+        for src, dst in pairs:
             if src == dst:
                 self.bad(f"copy pair ({src}, {dst})")
             self.gpu[dst] = self.gpu[src][:]
-
-    def taken(self, old: list, new: list) -> int:
-        return sum(1 for j, b in enumerate(new) if b >= 0 and (j >= len(old) or old[j] != b))
-
-    def evict_expect(self, free_before: int, taken: int) -> None:
-        if self.caching:
-            self.stats[2] += max(0, taken - free_before)
-            self.events["evictions"] += max(0, taken - free_before)
 
     # ---- operations --------------------------------------------------------------------
     def prompt(self) -> list:
@@ -273,44 +294,31 @@ class Soak:
         if extra is None:
             extra = rng.choice((0, 0, 0, 1)) if self.caching else 0
         n = len(tokens)
-        ph = _prefix_hashes(extra, tokens)
-        hit_blocks = []
-        if self.caching and n > 1:
-            reg = self.registry()
-            for j in range((n - 1) // bs):
-                b = reg.get(ph[(j + 1) * bs - 1])
-                if b is None:
-                    break
-                hit_blocks.append(b)
-        from_lru = sum(1 for b in hit_blocks if m.ref_count(b) == 0)
-        need = self.blocks_for(n) - len(hit_blocks)
-        free_before, avail = m.num_free_blocks, self.avail()
-        predicted = need <= avail - from_lru - self.wm
+        predicted = self.ref.can_allocate(tokens, extra_key=extra)
         if m.can_allocate(tokens, extra_key=extra) != predicted:
-            self.bad(f"can_allocate({n} tokens) != predicted {predicted}")
+            self.bad(f"can_allocate({n} tokens) != reference {predicted}")
         sid = self.next_id
         self.next_id += 1
-        ok, hits = self.expect(f"add_sequence({sid}, n={n})", predicted, m.add_sequence, sid, tokens, extra_key=extra)
+        ok, hits, expected = self.call(f"add_sequence({sid}, n={n})", "add_sequence", sid, tokens, extra_key=extra)
         if not ok:
             if not isinstance(hits, OutOfBlocksError):
                 self.bad(f"add_sequence raised {hits!r}")
             return None
-        if hits != len(hit_blocks) * bs:
-            self.bad(f"add_sequence({n} tokens) hit {hits} tokens, expected {len(hit_blocks) * bs}")
+        if hits != expected:
+            self.bad(f"add_sequence({n} tokens) hit {hits} tokens, reference {expected}")
+        ph = _prefix_hashes(extra, tokens)
+        self.seqs[sid] = _Seq(ph, extra)
+        self.ids.append(sid)
+        self.check_seq(sid)
         table = m.block_table(sid)
-        if len(table) != self.blocks_for(n) or table[: len(hit_blocks)] != hit_blocks:
-            self.bad(f"add_sequence table {table}, expected {self.blocks_for(n)} blocks starting {hit_blocks}")
-        for b in table[len(hit_blocks) :]:
+        for pos in range(hits):  # a hit reuses blocks that hold exactly this prompt's KV
+            b = table[pos // bs]
+            if self.gpu[b][pos % bs] != ph[pos]:
+                self.bad(f"add_sequence: prefix hit block {b} does not hold position {pos} of the prompt")
+        for b in table[hits // bs :]:
             if m.ref_count(b) != 1:
                 self.bad(f"fresh block {b} has ref count {m.ref_count(b)}")
-        if self.caching:
-            self.stats[0] += n
-            self.stats[1] += hits
-            self.events["hit_tokens"] += hits
-            self.evict_expect(free_before, need)
-            self.check_stats()
-        self.seqs[sid] = _Seq(list(tokens), ph, hits, table, extra)
-        self.ids.append(sid)
+        self.events["hit_tokens"] += hits
         return sid
 
     def op_free(self, sid: Optional[int] = None) -> None:
@@ -318,7 +326,9 @@ class Soak:
             if not self.ids:
                 return
             sid = self.rng.choice(self.ids)
-        ok, _ = self.expect(f"free({sid})", True, self.m.free, sid)
+        ok, e, _ = self.call(f"free({sid})", "free", sid)
+        if not ok:
+            self.bad(f"free({sid}) of a live sequence raised {e!r}")
         del self.seqs[sid]
         self.ids.remove(sid)
         if sid in self.m:
@@ -330,27 +340,24 @@ class Soak:
         if not ids:
             return
         sid = self.rng.choice(ids)
-        s = self.seqs[sid]
+        tokens, extra = self.ref.token_ids(sid), self.seqs[sid].extra
         self.op_free(sid)
-        self.op_add(s.tokens, s.extra)
+        self.op_add(tokens, extra)
 
     def op_fork(self) -> None:
-        ids = self.gpu_ids(lambda s: s.nc == len(s.tokens))
+        ids = self.gpu_ids(lambda i: not self.uncomputed(i))
         if not ids:
             return
         pid = self.rng.choice(ids)
-        p = self.seqs[pid]
         cid = self.next_id
         self.next_id += 1
-        before = self.counts()
-        self.expect(f"fork({pid}, {cid})", True, self.m.fork, pid, cid)
-        table = self.m.block_table(cid)
-        if table != p.table:
-            self.bad(f"fork: child table {table} != parent {p.table}")
-        if self.counts()[:3] != before[:3]:
-            self.bad("fork changed pool counts")
-        self.seqs[cid] = _Seq(list(p.tokens), list(p.ph), p.nc, table, p.extra)
+        ok, e, _ = self.call(f"fork({pid}, {cid})", "fork", pid, cid)
+        if not ok:
+            self.bad(f"fork({pid}, {cid}) of a computed sequence raised {e!r}")
+        p = self.seqs[pid]
+        self.seqs[cid] = _Seq(list(p.ph), p.extra)
         self.ids.append(cid)
+        self.check_seq(cid)
 
     def op_append(self) -> None:
         ids = self.gpu_ids()
@@ -358,115 +365,22 @@ class Soak:
             return
         rng, m, bs = self.rng, self.m, self.bs
         sid = rng.choice(ids)
-        s = self.seqs[sid]
         n = rng.choice((1, 1, 2, bs, 2 * bs + 1, 0))
         toks = [rng.randint(0, 3) for _ in range(n)]
-        length = len(s.tokens)
-        cow = n > 0 and length % bs != 0 and m.ref_count(s.table[-1]) > 1
-        demand = (self.blocks_for(length + n) - len(s.table) + cow) if n > 0 else 0
-        predicted = demand <= self.avail()
+        length = self.ref.seq_len(sid)
+        predicted = self.ref.can_append(sid, n)
         if m.can_append(sid, n) != predicted:
-            self.bad(f"can_append({sid}, {n}) != predicted {predicted}")
-        free_before = m.num_free_blocks
-        ok, slots = self.expect(f"append_tokens({sid}, n={n})", predicted, m.append_tokens, sid, toks)
+            self.bad(f"can_append({sid}, {n}) != reference {predicted}")
+        ok, slots, expected = self.call(f"append_tokens({sid}, n={n})", "append_tokens", sid, toks)
         if not ok:
             return
-        old = s.table
-        s.table = m.block_table(sid)
-        s.tokens.extend(toks)
-        _prefix_hashes(s.extra, s.tokens, s.ph)
-        if len(s.table) != self.blocks_for(len(s.tokens)):
-            self.bad(f"append: {len(s.table)} blocks for {len(s.tokens)} tokens")
-        if self.taken(old, s.table) != demand:
-            self.bad(f"append took {self.taken(old, s.table)} blocks, expected {demand}")
-        self.evict_expect(free_before, demand)
-        self.check_new_slots(s, length, slots)
-
-    def batch_demand(self, batch: list) -> int:
-        m, bs, need, seen = self.m, self.bs, 0, {}
-        for sid in batch:
-            s = self.seqs[sid]
-            if len(s.tokens) % bs == 0:
-                need += 1
-                continue
-            b = s.table[-1]
-            k = seen.get(b, 0)
-            if m.ref_count(b) - k > 1:
-                need += 1
-                seen[b] = k + 1
-        return need
+        self.extend_content(sid)
+        self.check_seq(sid)
+        self.check_new_slots(sid, length, slots, expected)
 
     def pick_batch(self, ids: list) -> list:
         rng = self.rng
         return rng.sample(ids, rng.randint(1, min(len(ids), 6)))
-
-    def op_step(self, decode: bool) -> None:
-        rng, m = self.rng, self.m
-        if decode:
-            ids = self.gpu_ids()
-        else:
-            ids = self.gpu_ids(lambda s: s.nc < len(s.tokens))
-        if not ids:
-            return
-        batch = self.pick_batch(ids)
-        new = [rng.randint(0, 3) for _ in batch] if decode else None
-        add = 1 if decode else 0
-        qlens = None
-        if rng.random() < 0.4:
-            qlens = [rng.randint(0, len(self.seqs[i].tokens) + add - self.seqs[i].nc) for i in batch]
-        demand = self.batch_demand(batch) if decode else 0
-        predicted = demand <= self.avail()
-        if decode and m.can_append_batch(batch) != predicted:
-            self.bad(f"can_append_batch != predicted {predicted}")
-        free_before = m.num_free_blocks
-        ok, md = self.expect(f"step({batch}, decode={decode})", predicted, m.step, batch, new, query_lens=qlens)
-        if not ok:
-            return
-        self.apply_copies(md.copy_pairs)
-        slot_mapping = md.slot_mapping.tolist()
-        if len(set(slot_mapping)) != len(slot_mapping):
-            self.bad(f"step: duplicate slots {slot_mapping}")
-        qsl = md.query_start_loc.tolist()
-        ctx_l, sl_l = md.context_lens.tolist(), md.seq_lens.tolist()
-        taken = 0
-        if qsl[0] != 0 or md.num_tokens != len(slot_mapping):
-            self.bad("step: query_start_loc / num_tokens inconsistent")
-        for i, sid in enumerate(batch):
-            s = self.seqs[sid]
-            old = s.table
-            if decode:
-                s.tokens.append(new[i])
-                _prefix_hashes(s.extra, s.tokens, s.ph)
-            ctx = s.nc
-            q = qlens[i] if qlens is not None else len(s.tokens) - ctx
-            if ctx_l[i] != ctx or sl_l[i] != ctx + q or qsl[i + 1] - qsl[i] != q:
-                self.bad(f"step metadata of {sid}: ctx {ctx_l[i]} seq_len {sl_l[i]}, expected {ctx}, {ctx + q}")
-            s.table = m.block_table(sid)
-            taken += self.taken(old, s.table)
-            if len(s.table) != self.blocks_for(len(s.tokens)):
-                self.bad(f"step: {len(s.table)} blocks for {len(s.tokens)} tokens")
-            if self.window:
-                self.events["window_releases"] += s.table.count(-1) - old.count(-1)
-            self.write_slots(s, ctx, slot_mapping[qsl[i] : qsl[i + 1]])
-            s.nc = ctx + q
-            if self.window:
-                self.check_window(s, ctx)
-        if taken != demand:
-            self.bad(f"step took {taken} blocks, expected {demand}")
-        self.evict_expect(free_before, demand)
-        if self.caching and decode:
-            self.check_stats()
-
-    def check_window(self, s: _Seq, ctx_before: int) -> None:
-        w, bs = self.window, self.bs
-        # released only when out of reach of every later query; released once out of reach at the step start
-        reach = s.nc - w + 1  # oldest key position the next query can attend to
-        limit_blocks = max(0, (ctx_before - w + 1)) // bs
-        for j, b in enumerate(s.table):
-            if b < 0 and (j + 1) * bs - 1 >= reach:
-                self.bad(f"window released block {j} still in reach (num_computed {s.nc}, window {w})")
-            if b >= 0 and j < limit_blocks:
-                self.bad(f"window kept block {j} (limit {limit_blocks})")
 
     def op_append_batch(self) -> None:
         ids = self.gpu_ids()
@@ -475,30 +389,71 @@ class Soak:
         rng, m = self.rng, self.m
         batch = self.pick_batch(ids)
         toks = [rng.randint(0, 3) for _ in batch]
-        demand = self.batch_demand(batch)
-        predicted = demand <= self.avail()
-        free_before = m.num_free_blocks
-        ok, slots = self.expect(f"append_tokens_batch({batch})", predicted, m.append_tokens_batch, batch, toks)
+        predicted = self.ref.can_append_batch(batch)
+        if m.can_append_batch(batch) != predicted:
+            self.bad(f"can_append_batch != reference {predicted}")
+        ok, slots, expected = self.call(f"append_tokens_batch({batch})", "append_tokens_batch", batch, toks)
         if not ok:
             return
-        taken = 0
         for i, sid in enumerate(batch):
-            s = self.seqs[sid]
-            old = s.table
-            s.table = m.block_table(sid)
-            taken += self.taken(old, s.table)
-            s.tokens.append(toks[i])
-            _prefix_hashes(s.extra, s.tokens, s.ph)
-            self.check_new_slots(s, len(s.tokens) - 1, slots[i : i + 1])
-        if taken != demand:
-            self.bad(f"append_tokens_batch took {taken} blocks, expected {demand}")
-        self.evict_expect(free_before, demand)
+            self.extend_content(sid)
+            self.check_seq(sid)
+            self.check_new_slots(sid, self.ref.seq_len(sid) - 1, slots[i : i + 1], expected[i : i + 1])
+
+    def op_step(self, decode: bool) -> None:
+        rng, m, r = self.rng, self.m, self.ref
+        ids = self.gpu_ids() if decode else self.gpu_ids(self.uncomputed)
+        if not ids:
+            return
+        batch = self.pick_batch(ids)
+        new = [rng.randint(0, 3) for _ in batch] if decode else None
+        add = 1 if decode else 0
+        qlens = None
+        if rng.random() < 0.4:
+            qlens = [rng.randint(0, r.seq_len(i) + add - r.num_computed(i)) for i in batch]
+        if decode and m.can_append_batch(batch) != r.can_append_batch(batch):
+            self.bad(f"can_append_batch != reference {r.can_append_batch(batch)}")
+        ctx = {i: r.num_computed(i) for i in batch}
+        released = {i: r.block_table(i).count(-1) for i in batch}
+        ok, md, expected = self.call(f"step({batch}, decode={decode})", "step", batch, new, query_lens=qlens)
+        if not ok:
+            return
+        for key in ("block_tables", "seq_lens", "context_lens", "query_start_loc", "slot_mapping"):
+            if getattr(md, key).tolist() != expected[key]:
+                self.bad(f"step {key} {getattr(md, key).tolist()} != reference {expected[key]}")
+        copies = _pairs(md.copy_pairs)
+        if copies != expected["copy_pairs"]:
+            self.bad(f"step copy pairs {copies} != reference {expected['copy_pairs']}")
+        self.apply_copies(copies)
+        slot_mapping = expected["slot_mapping"]
+        if len(set(slot_mapping)) != len(slot_mapping) or md.num_tokens != len(slot_mapping):
+            self.bad(f"step: duplicate slots {slot_mapping} or num_tokens {md.num_tokens}")
+        qsl = expected["query_start_loc"]
+        for i, sid in enumerate(batch):
+            if decode:
+                self.extend_content(sid)
+            self.check_seq(sid)
+            self.write_slots(sid, ctx[sid], slot_mapping[qsl[i] : qsl[i + 1]])
+            if self.window:
+                self.events["window_releases"] += r.block_table(sid).count(-1) - released[sid]
+                self.check_window(sid)
+
+    def check_window(self, sid: int) -> None:
+        """Released blocks lie entirely out of reach of the next query."""
+        w, bs = self.window, self.bs
+        reach = self.ref.num_computed(sid) - w + 1  # oldest key position the next query can attend to
+        for j, b in enumerate(self.m.block_table(sid)):
+            if b < 0 and (j + 1) * bs - 1 >= reach:
+                self.bad(f"window released block {j} still in reach (num_computed {reach + w - 1}, window {w})")
 
     def op_take_copies(self) -> None:
-        ok, pairs = self.expect("take_copy_pairs", True, self.m.take_copy_pairs)
+        ok, pairs, expected = self.call("take_copy_pairs", "take_copy_pairs")
+        if not ok:
+            self.bad(f"take_copy_pairs raised {pairs!r}")
+        pairs = _pairs(pairs)
+        if pairs != expected:
+            self.bad(f"take_copy_pairs {pairs} != reference {expected}")
         self.apply_copies(pairs)
-        if self.m.num_pending_copies != 0:
-            self.bad("copies still pending after take_copy_pairs")
 
     def op_swap_out(self) -> None:
         ids = self.gpu_ids()
@@ -506,109 +461,71 @@ class Soak:
             return
         m = self.m
         batch = self.pick_batch(ids)
-        pending = m.num_pending_copies
-        distinct = {b for i in batch for b in self.seqs[i].table if b >= 0}
-        if self.ncpu == 0 or pending:
-            if m.can_swap_out(batch):
-                self.bad("can_swap_out true without a CPU pool / with pending copies")
-            self.expect_error(f"swap_out({batch})", ValueError, m.swap_out, batch)
-            return
-        predicted = len(distinct) <= m.num_free_cpu_blocks
+        predicted = self.ref.can_swap_out(batch)
         if m.can_swap_out(batch) != predicted:
-            self.bad(f"can_swap_out != predicted {predicted}")
-        ok, pairs = self.expect(f"swap_out({batch})", predicted, m.swap_out, batch)
+            self.bad(f"can_swap_out != reference {predicted}")
+        ok, pairs, expected = self.call(f"swap_out({batch})", "swap_out", batch)
         if not ok:
-            if not isinstance(pairs, OutOfBlocksError):
-                self.bad(f"swap_out raised {pairs!r}")
             return
-        mapping = {}
-        for g, c in pairs.tolist():
-            if g in mapping or g not in distinct:
-                self.bad(f"swap_out pair ({g}, {c}) repeated or not of the batch")
-            mapping[g] = c
+        pairs = _pairs(pairs)
+        if pairs != expected:
+            self.bad(f"swap_out pairs {pairs} != reference {expected}")
+        for g, c in pairs:
             self.cpu[c] = self.gpu[g][:]
-            self.events["swap_pairs"] += 1
-        if len(mapping) != len(distinct) or len(set(mapping.values())) != len(mapping):
-            self.bad("swap_out pairs do not cover the batch's blocks once each")
+        self.events["swap_pairs"] += len(pairs)
         for sid in batch:
-            s = self.seqs[sid]
-            expect_tbl = [mapping[b] if b >= 0 else -1 for b in s.table]
-            s.table = m.block_table(sid)
-            s.swapped = True
-            if s.table != expect_tbl:
-                self.bad(f"swap_out table {s.table} != {expect_tbl}")
+            self.check_seq(sid)
 
     def op_swap_in(self) -> None:
-        ids = [i for i in self.ids if self.seqs[i].swapped]
+        ids = [i for i in self.ids if self.ref.is_swapped(i)]
         if not ids:
             return
         m = self.m
         batch = self.pick_batch(ids)
-        if m.num_pending_copies:
-            self.expect_error(f"swap_in({batch})", ValueError, m.swap_in, batch)
-            return
-        distinct = {b for i in batch for b in self.seqs[i].table if b >= 0}
-        predicted = len(distinct) <= self.avail() - self.wm
-        if m.can_swap_in(batch) != predicted:
-            self.bad(f"can_swap_in != predicted {predicted}")
-        free_before = m.num_free_blocks
-        ok, pairs = self.expect(f"swap_in({batch})", predicted, m.swap_in, batch)
+        if not m.num_pending_copies and m.can_swap_in(batch) != self.ref.can_swap_in(batch):
+            self.bad(f"can_swap_in != reference {self.ref.can_swap_in(batch)}")
+        ok, pairs, expected = self.call(f"swap_in({batch})", "swap_in", batch)
         if not ok:
-            if not isinstance(pairs, OutOfBlocksError):
-                self.bad(f"swap_in raised {pairs!r}")
             return
-        mapping = {}
-        for c, g in pairs.tolist():
-            if c in mapping or c not in distinct:
-                self.bad(f"swap_in pair ({c}, {g}) repeated or not of the batch")
-            mapping[c] = g
+        pairs = _pairs(pairs)
+        if pairs != expected:
+            self.bad(f"swap_in pairs {pairs} != reference {expected}")
+        for c, g in pairs:
             self.gpu[g] = self.cpu[c][:]
-        if len(mapping) != len(distinct) or len(set(mapping.values())) != len(mapping):
-            self.bad("swap_in pairs do not cover the batch's blocks once each")
         for sid in batch:
-            s = self.seqs[sid]
-            expect_tbl = [mapping[b] if b >= 0 else -1 for b in s.table]
-            s.table = m.block_table(sid)
-            s.swapped = False
-            if s.table != expect_tbl:
-                self.bad(f"swap_in table {s.table} != {expect_tbl}")
-        for g in mapping.values():
-            if m.ref_count(g) != sum(1 for i in batch for b in self.seqs[i].table if b == g):
-                self.bad(f"swapped-in block {g} ref count {m.ref_count(g)}")
-        self.evict_expect(free_before, len(distinct))
+            self.check_seq(sid)
 
     def op_invalid(self) -> None:
         """A call that must fail with a typed error and change nothing."""
-        rng, m = self.rng, self.m
+        rng, r = self.rng, self.ref
         k = rng.randrange(6)
         if k == 0:
-            self.expect_error("free(unknown)", KeyError, m.free, -12345)
+            self.expect_error("free(unknown)", KeyError, "free", -12345)
         elif k == 1 and self.ids:
             sid = rng.choice(self.ids)
-            self.expect_error(f"add_sequence(duplicate {sid})", ValueError, m.add_sequence, sid, [1, 2, 3])
+            self.expect_error(f"add_sequence(duplicate {sid})", ValueError, "add_sequence", sid, [1, 2, 3])
         elif k == 2:
-            ids = self.gpu_ids(lambda s: s.nc < len(s.tokens))
+            ids = self.gpu_ids(self.uncomputed)
             if ids:
-                self.expect_error("fork(uncomputed parent)", ValueError, m.fork, ids[0], self.next_id)
+                self.expect_error("fork(uncomputed parent)", ValueError, "fork", ids[0], self.next_id)
         elif k == 3:
             ids = self.gpu_ids()
             if ids:
-                s = self.seqs[ids[0]]
-                self.expect_error("step(query too long)", ValueError, m.step, [ids[0]],
-                                  query_lens=[len(s.tokens) - s.nc + 1])
+                too_long = r.seq_len(ids[0]) - r.num_computed(ids[0]) + 1
+                self.expect_error("step(query too long)", ValueError, "step", [ids[0]], query_lens=[too_long])
         elif k == 4:
             ids = self.gpu_ids()
             if len(ids) >= 1:
-                self.expect_error("step(duplicate ids)", ValueError, m.step, [ids[0], ids[0]], [1, 1])
+                self.expect_error("step(duplicate ids)", ValueError, "step", [ids[0], ids[0]], [1, 1])
         else:
-            ids = [i for i in self.ids if self.seqs[i].swapped]
+            ids = [i for i in self.ids if r.is_swapped(i)]
             if ids:
-                self.expect_error("append to swapped", ValueError, m.append_tokens, ids[0], [1])
-                self.expect_error("step on swapped", ValueError, m.step, [ids[0]])
+                self.expect_error("append to swapped", ValueError, "append_tokens", ids[0], [1])
+                self.expect_error("step on swapped", ValueError, "step", [ids[0]])
 
     # ---- audits ------------------------------------------------------------------------
     def audit(self) -> None:
-        m, bs = self.m, self.bs
+        m, r, bs = self.m, self.ref, self.bs
         try:
             m.check_invariants()
         except RuntimeError as e:
@@ -616,29 +533,30 @@ class Soak:
         if m.num_pending_copies:
             self.op_take_copies()  # the caller's copy_blocks before reading the cache
         if sorted(m.sequence_ids()) != sorted(self.ids) or m.num_sequences != len(self.ids):
-            self.bad("sequence ids differ from the shadow")
+            self.bad("sequence ids differ from the soak's")
+        if self.counts(m) != self.counts(r):
+            self.bad(f"counts {self.counts(m)} != reference {self.counts(r)}")
         holders = [0] * self.nb
         cpu_holders = [0] * self.ncpu
         index_of: dict = {}
         for sid in self.ids:
             s = self.seqs[sid]
             self.check_seq(sid)
-            if m.token_ids(sid).tolist() != s.tokens:
+            if m.token_ids(sid).tolist() != r.token_ids(sid):
                 self.bad(f"seq {sid}: token ids differ")
-            if len(s.table) != self.blocks_for(len(s.tokens)):
-                self.bad(f"seq {sid}: {len(s.table)} blocks for {len(s.tokens)} tokens")
-            for j, b in enumerate(s.table):
+            table, swapped = m.block_table(sid), m.is_swapped(sid)
+            for j, b in enumerate(table):
                 if b < 0:
                     continue
-                if s.swapped:
+                if swapped:
                     cpu_holders[b] += 1
                     continue
                 holders[b] += 1
                 if index_of.setdefault(b, j) != j:
                     self.bad(f"block {b} at table index {j} of seq {sid} and index {index_of[b]} elsewhere")
-            pool = self.cpu if s.swapped else self.gpu
-            for pos in range(s.nc):
-                b = s.table[pos // bs]
+            pool = self.cpu if swapped else self.gpu
+            for pos in range(m.num_computed(sid)):
+                b = table[pos // bs]
                 if b >= 0 and pool[b][pos % bs] != s.ph[pos]:
                     self.bad(f"seq {sid} position {pos}: cache content of block {b} is not its token's KV")
         for b in range(self.nb):
@@ -648,10 +566,10 @@ class Soak:
             if m.cpu_ref_count(c) != cpu_holders[c]:
                 self.bad(f"CPU block {c}: ref count {m.cpu_ref_count(c)}, held {cpu_holders[c]} times")
         for sid in self.ids:
-            s = self.seqs[sid]
-            if not s.swapped:
-                for pos in range(s.nc, len(s.tokens)):
-                    if holders[s.table[pos // bs]] != 1:
+            if not m.is_swapped(sid):
+                table = m.block_table(sid)
+                for pos in range(m.num_computed(sid), m.seq_len(sid)):
+                    if holders[table[pos // bs]] != 1:
                         self.bad(f"seq {sid}: uncomputed position {pos} in a shared block")
         used = sum(1 for h in holders if h)
         if m.num_used_blocks != used:
@@ -660,9 +578,9 @@ class Soak:
             self.bad("free + cached + used != num_blocks")
         if m.num_free_cpu_blocks + sum(1 for h in cpu_holders if h) != self.ncpu:
             self.bad("CPU pool does not add up")
+        self.check_stats()
         if self.caching:
             self.registry()
-            self.check_stats()
         elif m.num_cached_blocks:
             self.bad("cached blocks without prefix caching")
 
@@ -721,7 +639,7 @@ class Soak:
         elif r < 0.9805:
             self.drain()
         else:
-            long_ids = [i for i in self.ids if len(self.seqs[i].tokens) > 8 * self.bs]
+            long_ids = [i for i in self.ids if self.ref.seq_len(i) > 8 * self.bs]
             self.op_free(rng.choice(long_ids) if long_ids else None)
 
 
@@ -772,7 +690,7 @@ def run(ops: int, seed: int, check_every: int = 2000, log=print) -> tuple:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedattn.bm_soak", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tests/python/harness/bm_soak.py", description=__doc__.split("\n")[0])
     ap.add_argument("--ops", type=int, default=200_000, help="random operations (default 200000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every", type=int, default=2000, help="full audit + check_invariants() every K ops")

@@ -4,7 +4,7 @@
 # host cost, the small-shape sweep (with and without programmatic dependent launch), the
 # full benchmark with FlashInfer and the user-facing commands. Stages are chosen with
 # PA_ROUND; everything lands in $OUT (at most 8 files).
-#   PA_TESTS="tests/python/..." PA_ROUND="build test sanitize host small bench cli" bash .ci/device_round.sh
+#   PA_TESTS="tests/python/..." PA_ROUND="build test sanitize host small bench cli" bash benchmarks/device_round.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -23,7 +23,7 @@ fi_wait() {  # waits once for the FlashInfer warm-up, keeps its exit status
 if has bench && ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$REPO"/.whl/*.whl > "$LOGS/fi_install.log" 2>&1
-  (cd /tmp && PYTHONPATH=/tmp/site timeout 400 python3 "$REPO/.ci/fi_warm.py" > "$LOGS/fi_warm.log" 2>&1) &
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 400 python3 "$REPO/benchmarks/fi_warm.py" > "$LOGS/fi_warm.log" 2>&1) &
   fi_pid=$!
 fi
 
@@ -49,7 +49,7 @@ if has sanitize; then
   for tool in ${PA_SAN_TOOLS:-memcheck racecheck initcheck}; do
     t0=$(date +%s)
     (cd /tmp && timeout ${PA_SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-       python3 "$REPO/.ci/sanitize_sample.py" $tool > "$LOGS/sanitize_$tool.log" 2>&1)
+       python3 "$REPO/benchmarks/sanitize_sample.py" $tool > "$LOGS/sanitize_$tool.log" 2>&1)
     note "sanitize $tool: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sample ok' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
   done
 fi
@@ -62,8 +62,8 @@ if has host; then
 fi
 
 if has small; then
-  (cd /tmp && timeout 200 python3 "$REPO/.ci/small_shapes.py" ${PA_SMALL_ARGS:-} pdl > "$LOGS/small.log" 2>&1
-   PAGEDATTN_NO_PDL=1 timeout 60 python3 "$REPO/.ci/small_shapes.py" --quick no-pdl >> "$LOGS/small.log" 2>&1)
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/small_shapes.py" ${PA_SMALL_ARGS:-} pdl > "$LOGS/small.log" 2>&1
+   PAGEDATTN_NO_PDL=1 timeout 60 python3 "$REPO/benchmarks/small_shapes.py" --quick no-pdl >> "$LOGS/small.log" 2>&1)
   note "small shapes: rc=$?"; cat "$LOGS/small.log" >> "$S"
 fi
 

@@ -2,7 +2,7 @@
 pagedattn found on sys.path; run once per build with the same arguments to compare builds
 side by side (GPU machine only).
 
-    python3 .ci/ab_time.py TAG [--shapes=sub1,sub2] [--reps=30] [--layout=nhd]
+    python3 benchmarks/ab_time.py TAG [--shapes=sub1,sub2] [--reps=30] [--layout=nhd]
 """
 
 import sys

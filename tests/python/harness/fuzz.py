@@ -14,7 +14,7 @@ seeded random source and checks the contract:
 Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
 seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
 
-    python -m pagedattn.fuzz --cases 100000 --seed 1
+    python tests/python/harness/fuzz.py --cases 100000 --seed 1
 
 The last line printed is the summary, e.g.
 ``fuzz: 300 cases, seed 7: 0 crashes, 0 mismatches, 0 failures (...)``; the exit status
@@ -42,23 +42,19 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 import pagedattn
-
-from . import reference
+from pagedattn import reference
+from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks
 
 __all__ = ["Draw", "RandomDraw", "Failure", "TARGETS", "KNOWN_ISSUES", "run_case", "main"]
 
 TYPED = (ValueError, TypeError, IndexError)
-# Under AddressSanitizer a failed C++ `new` aborts the process (operator new reports
-# out-of-memory instead of throwing), so the known issues that reach `new` with absurd
-# sizes are not generated there; NumPy's malloc still fails softly
-# (allocator_may_return_null=1). Case i of a seed then differs from a plain run.
-UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
-
-# Open bugs outside this module's reach, each reported with a reproducer. A case that
-# hits one counts as "known" (not a failure) unless --strict-known is given; when one
-# stops reproducing, the summary says so, and the pinned test in test_fuzz_api.py
-# (xfail strict) fails until the entry is removed.
+# Open bugs outside this module's reach (label -> description with a reproducer). A case
+# that hits one counts as "known" (not a failure) unless --strict-known is given, and the
+# summary lists the hits. None is open: test_no_known_issue_is_left_open in
+# test_fuzz_api.py pins this dict empty.
 KNOWN_ISSUES: dict = {}
+# How to run this file again, for the replay line of a failing case.
+_SCRIPT = os.path.abspath(__file__)
 
 
 # ---------------------------------------------------------------------------------------
@@ -109,14 +105,24 @@ def _fail(label: str, msg: str) -> None:
 # ---------------------------------------------------------------------------------------
 # Shared helpers
 # ---------------------------------------------------------------------------------------
-def _float_dtypes() -> list:
-    out = [np.dtype(np.float32), np.dtype(np.float16)]
-    try:
-        import ml_dtypes
+# Valid calls draw from the library's own list of what it supports.
+SUPPORTED = pagedattn.supported()
+LAYOUTS = list(SUPPORTED["layouts"])
+FP8_KINDS = [k for k in SUPPORTED["kv_cache_dtypes"] if k != "auto"]
 
-        out.append(np.dtype(ml_dtypes.bfloat16))
-    except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
-        pass
+
+def _float_dtypes() -> list:
+    """Every supported dtype NumPy can hold (bfloat16 through ml_dtypes, when installed)."""
+    out = []
+    for name in SUPPORTED["dtypes"]:
+        if name == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
+                continue
+            out.append(np.dtype(ml_dtypes.bfloat16))
+        else:
+            out.append(np.dtype(name))
     return out
 
 
@@ -131,7 +137,7 @@ def _fp8_codes(kind: str) -> np.ndarray:
     return np.nonzero(np.isfinite(t) & (np.abs(t) <= 4.0))[0].astype(np.uint8)
 
 
-FP8_CODES = {k: _fp8_codes(k) for k in ("fp8_e4m3", "fp8_e5m2")}
+FP8_CODES = {k: _fp8_codes(k) for k in FP8_KINDS}
 
 
 def _expect_error(label: str, fn: Callable[[], Any], expected: tuple, known: Optional[str] = None) -> Outcome:
@@ -228,15 +234,15 @@ def _draw_cache_kind(d: Draw) -> tuple:
     """(rng, dtype, kv_cache_dtype, layout, cache dtype, x) of a random cache setup."""
     rng = d.rng()
     dtype = d.choice(FLOAT_DTYPES)
-    kv = d.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
-    layout = d.choice(["vllm", "nhd"])
+    kv = d.choice(["auto"] * len(FP8_KINDS) + FP8_KINDS)  # float caches half the time
+    layout = d.choice(LAYOUTS)
     cache_dt = dtype if kv == "auto" else np.dtype(np.uint8)
     return rng, dtype, kv, layout, cache_dt, 16 // cache_dt.itemsize
 
 
 def make_decode_problem(d: Draw) -> DecodeProblem:
     rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
-    big = d.bool(0.05)  # the CPU limits: head size or block size 1024
+    big = d.bool(0.05)  # the CPU limits on head size and block size
     K = d.int(1, 3)
     G = d.choice([1, 1, 2, 3, 4])
     if layout == "vllm":
@@ -248,9 +254,9 @@ def make_decode_problem(d: Draw) -> DecodeProblem:
     if big:
         K, G, S = 1, 1, min(S, 1)
         if d.bool():
-            D = 1024
+            D = SUPPORTED["cpu_max_head_size"]
         else:
-            B = 1024
+            B = SUPPORTED["cpu_max_block_size"]
     lens = [_seq_len(d, B) for _ in range(S)]
     if big:
         lens = [min(n, 2 * B) for n in lens]
@@ -916,13 +922,61 @@ def fuzz_decode_workspace_size(d: Draw) -> Outcome:
 # BlockManager: random (often adversarial) call sequences
 # ---------------------------------------------------------------------------------------
 def _bm_snapshot(m: Any) -> tuple:
+    """Everything observable about a manager: the C++ one or the reference model."""
     ids = sorted(m.sequence_ids())
     per = tuple((i, tuple(m.block_table(i)), m.seq_len(i), m.num_computed(i), m.is_swapped(i)) for i in ids)
     return (per, m.num_free_blocks, m.num_cached_blocks, m.num_used_blocks, m.num_free_cpu_blocks,
             m.num_pending_copies)  # fmt: skip
 
 
+def _stats(m: Any) -> tuple:
+    st = m.prefix_cache_stats
+    return st["queried_tokens"], st["hit_tokens"], st["evictions"]
+
+
+def _ints(a: Any) -> list:
+    return [int(v) for v in np.asarray(a).reshape(-1).tolist()]
+
+
+def _pair_list(a: Any) -> list:
+    return [tuple(p) for p in np.asarray(a).tolist()]
+
+
+# The calls that change a manager's state, replayed on the reference model once the C++
+# manager took them: (the model's call from the C++ call's arguments, the C++ result as
+# the model returns it). Arguments reach the model in its plain form (ints, lists of ints).
+_MIRRORED = {
+    "add_sequence": (lambda r, a, kw: r.add_sequence(int(a[0]), _ints(a[1]), extra_key=int(kw["extra_key"])),
+                     int),
+    "append_tokens": (lambda r, a, kw: r.append_tokens(int(a[0]), _ints(a[1])), _ints),
+    "append_tokens_batch": (lambda r, a, kw: r.append_tokens_batch(_ints(a[0]), _ints(a[1])), _ints),
+    "fork": (lambda r, a, kw: r.fork(int(a[0]), int(a[1])), lambda x: x),
+    "free": (lambda r, a, kw: r.free(int(a[0])), lambda x: x),
+    "step": (lambda r, a, kw: r.step(_ints(a[0]), None if kw["token_ids"] is None else _ints(kw["token_ids"]),
+                                     query_lens=None if kw["query_lens"] is None else _ints(kw["query_lens"])),
+             lambda md: {"seq_lens": _ints(md.seq_lens), "context_lens": _ints(md.context_lens),
+                         "query_start_loc": _ints(md.query_start_loc), "slot_mapping": _ints(md.slot_mapping),
+                         "copy_pairs": _pair_list(md.copy_pairs)}),
+    "take_copy_pairs": (lambda r, a, kw: r.take_copy_pairs(), _pair_list),
+    "swap_out": (lambda r, a, kw: r.swap_out(_ints(a[0])), _pair_list),
+    "swap_in": (lambda r, a, kw: r.swap_in(_ints(a[0])), _pair_list),
+    "stats": (lambda r, a, kw: r.reset_prefix_cache_stats(), lambda x: None),
+}  # fmt: skip
+
+
+def _run_bm_call(m: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    if name == "stats":
+        return m.prefix_cache_stats, len(m), repr(m), m.reset_prefix_cache_stats()
+    if name == "contains":
+        return args[0] in m
+    return getattr(m, name)(*args, **kwargs)
+
+
 def fuzz_block_manager(d: Draw) -> Outcome:
+    """Random, often adversarial, call sequences. Every call either raises a typed error and
+    changes nothing, or succeeds; a state-changing call the manager took (or refused for want
+    of blocks) is replayed on the reference model, which must decide the same: same result,
+    same refusal, same state and counters afterwards."""
     BM = pagedattn.BlockManager
     OOB = pagedattn.OutOfBlocksError
     allowed = TYPED + (KeyError, OOB)
@@ -948,8 +1002,9 @@ def fuzz_block_manager(d: Draw) -> Outcome:
               watermark=d.choice([0.0, 0.0, 0.1, 0.5]))  # fmt: skip
     if not caching and d.bool(0.2):
         kw["sliding_window"] = d.choice([1, 3, 8])
-    m = BM(d.int(1, 24), d.choice([1, 2, 3, 4, 8]), **kw)
-    bs = m.block_size
+    num_blocks, bs = d.int(1, 24), d.choice([1, 2, 3, 4, 8])
+    m = BM(num_blocks, bs, **kw)
+    ref = ReferenceBlockManager(num_blocks, bs, **kw)
     known_hit: Optional[str] = None
 
     def seq_id() -> Any:
@@ -1014,63 +1069,87 @@ def fuzz_block_manager(d: Draw) -> Outcome:
     def maybe_big() -> list:
         return [d.choice(big)] if big and d.bool(0.1) else []
 
-    ops = {
-        "add_sequence": lambda: m.add_sequence(seq_id() if d.bool(0.3) else d.int(0, 30), tokens(),
-                                               extra_key=d.choice([0, 0, 1, 2**64 - 1])),
-        "append_tokens": lambda: m.append_tokens(seq_id(), tokens()),
-        "append_tokens_batch": lambda: (lambda ids: m.append_tokens_batch(ids, [1] * len(ids)
-                                        if d.bool(0.8) else [1]))(ids_list()),
-        "fork": lambda: m.fork(seq_id(), d.choice([d.int(0, 40), seq_id()])),
-        "free": lambda: m.free(seq_id()),
-        "step": lambda: (lambda ids: m.step(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
+    def one(*args: Any, **kwargs: Any) -> tuple:
+        return args, kwargs
+
+    # name -> the drawn (args, kwargs) of one call
+    calls = {
+        "add_sequence": lambda: one(seq_id() if d.bool(0.3) else d.int(0, 30), tokens(),
+                                    extra_key=d.choice([0, 0, 1, 2**64 - 1])),
+        "append_tokens": lambda: one(seq_id(), tokens()),
+        "append_tokens_batch": lambda: (lambda ids: one(ids, [1] * len(ids) if d.bool(0.8) else [1]))(ids_list()),
+        "fork": lambda: one(seq_id(), d.choice([d.int(0, 40), seq_id()])),
+        "free": lambda: one(seq_id()),
+        "step": lambda: (lambda ids: one(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
                          query_lens=d.choice([None, None, [0] * len(ids), [1] * len(ids), [-1] * len(ids),
                                               [2**40] * len(ids)]),
                          max_blocks=d.choice([None, None, 0, 64] + maybe_big()),
                          pad=d.choice([0, -1, 2**31 - 1]),
                          seq_lens=out_arr((len(ids),)) if d.bool(0.3) else None))(ids_list()),
-        "take_copy_pairs": lambda: m.take_copy_pairs(),
-        "swap_out": lambda: m.swap_out(ids_list()),
-        "swap_in": lambda: m.swap_in(ids_list()),
-        "can_allocate": lambda: m.can_allocate(d.choice([tokens(), d.int(-3, 50), 2**62])),
-        "can_append": lambda: m.can_append(seq_id(), d.choice([1, 0, -1, 2**62])),
-        "can_append_batch": lambda: m.can_append_batch(ids_list()),
-        "can_swap_out": lambda: m.can_swap_out(ids_list()),
-        "can_swap_in": lambda: m.can_swap_in(ids_list()),
-        "block_tables": lambda: (lambda ids: m.block_tables(ids, out=out_arr((len(ids), d.int(0, 8))),
+        "take_copy_pairs": lambda: one(),
+        "swap_out": lambda: one(ids_list()),
+        "swap_in": lambda: one(ids_list()),
+        "can_allocate": lambda: one(d.choice([tokens(), d.int(-3, 50), 2**62])),
+        "can_append": lambda: one(seq_id(), d.choice([1, 0, -1, 2**62])),
+        "can_append_batch": lambda: one(ids_list()),
+        "can_swap_out": lambda: one(ids_list()),
+        "can_swap_in": lambda: one(ids_list()),
+        "block_tables": lambda: (lambda ids: one(ids, out=out_arr((len(ids), d.int(0, 8))),
                                  max_blocks=d.choice([None, 0, 3, 16] + maybe_big()),
                                  pad=d.choice([0, -1])))(ids_list()),
-        "seq_lens": lambda: (lambda ids: m.seq_lens(ids, out=out_arr((len(ids),))))(ids_list()),
-        "csr": lambda: m.csr(ids_list(), pad=d.choice([0, -1])),
-        "slots": lambda: m.slots(seq_id(), d.choice([0, 0, 1, -1, 5]),
-                                 d.choice([None, None, 0, 3, 100] + maybe_big())),
-        "block_table": lambda: m.block_table(seq_id()),
-        "token_ids": lambda: m.token_ids(seq_id()),
-        "seq_len": lambda: m.seq_len(seq_id()),
-        "num_computed": lambda: m.num_computed(seq_id()),
-        "is_swapped": lambda: m.is_swapped(seq_id()),
-        "ref_count": lambda: m.ref_count(d.choice([0, 1, -1, m.num_blocks, 2**40])),
-        "cpu_ref_count": lambda: m.cpu_ref_count(d.choice([0, -1, m.num_cpu_blocks, 2**40])),
-        "is_cached": lambda: m.is_cached(d.choice([0, -1, m.num_blocks])),
-        "contains": lambda: seq_id() in m,
-        "stats": lambda: (m.prefix_cache_stats, len(m), repr(m), m.reset_prefix_cache_stats()),
+        "seq_lens": lambda: (lambda ids: one(ids, out=out_arr((len(ids),))))(ids_list()),
+        "csr": lambda: one(ids_list(), pad=d.choice([0, -1])),
+        "slots": lambda: one(seq_id(), d.choice([0, 0, 1, -1, 5]), d.choice([None, None, 0, 3, 100] + maybe_big())),
+        "block_table": lambda: one(seq_id()),
+        "token_ids": lambda: one(seq_id()),
+        "seq_len": lambda: one(seq_id()),
+        "num_computed": lambda: one(seq_id()),
+        "is_swapped": lambda: one(seq_id()),
+        "ref_count": lambda: one(d.choice([0, 1, -1, m.num_blocks, 2**40])),
+        "cpu_ref_count": lambda: one(d.choice([0, -1, m.num_cpu_blocks, 2**40])),
+        "is_cached": lambda: one(d.choice([0, -1, m.num_blocks])),
+        "contains": lambda: one(seq_id()),
+        "stats": lambda: one(),
     }  # fmt: skip
-    names = list(ops)
+    names = list(calls)
     for step in range(d.int(5, 40)):
         name = d.choice(names)
+        args, kwargs = calls[name]()
         before = _bm_snapshot(m)
         label = f"BlockManager.{name} (op {step})"
+        mirror = _MIRRORED.get(name)
         try:
-            result = ops[name]()
-        except allowed:
+            result = _run_bm_call(m, name, args, kwargs)
+        except allowed as e:
             after = _bm_snapshot(m)
             if after != before:
                 _fail(label, "a call that raised changed the manager")
+            if mirror is not None and isinstance(e, OOB):
+                try:
+                    mirror[0](ref, args, kwargs)
+                except (ReferenceOutOfBlocks, ValueError, KeyError):
+                    pass
+                else:
+                    _fail(label, f"raised {e!r}; the reference model took the call")
         except MemoryError:
             _fail(label, f"MemoryError:\n{traceback.format_exc()}")
         except Exception as e:  # noqa: BLE001
             _fail(label, f"raised {type(e).__name__}: {e}")
         else:
             _check_bm_result(label, m, name, result)
+            if mirror is not None:
+                try:
+                    expected = mirror[0](ref, args, kwargs)
+                except (ReferenceOutOfBlocks, ValueError, KeyError) as e:
+                    _fail(label, f"succeeded; the reference model raised {e!r}")
+                got = mirror[1](result)
+                if name == "step":
+                    expected = {k: expected[k] for k in got}
+                if got != expected:
+                    _fail(label, f"returned {got}; the reference model returned {expected}")
+        if _bm_snapshot(m) != _bm_snapshot(ref) or _stats(m) != _stats(ref):
+            _fail(label, f"state differs from the reference model's:\n  {_bm_snapshot(m)} {_stats(m)}\n"
+                         f"  {_bm_snapshot(ref)} {_stats(ref)}")  # fmt: skip
         try:
             m.check_invariants()
         except Exception as e:  # noqa: BLE001
@@ -1184,7 +1263,7 @@ class Stats:
 
 
 def _replay(seed: int, i: int) -> str:
-    return f"python -m pagedattn.fuzz --seed {seed} --first {i} --cases 1"
+    return f"python {_SCRIPT} --seed {seed} --first {i} --cases 1"
 
 
 def _run_inprocess(args: argparse.Namespace, seed: int, st: Stats) -> None:
@@ -1229,7 +1308,7 @@ def _run_isolated(args: argparse.Namespace, seed: int, st: Stats) -> None:
     i, end = args.first, args.first + args.cases
     while i < end and st.failures < args.max_failures:
         n = min(args.isolate, end - i)
-        cmd = [sys.executable, "-m", "pagedattn.fuzz", "--seed", str(seed), "--first", str(i), "--cases", str(n),
+        cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(seed), "--first", str(i), "--cases", str(n),
                "--trace", "--no-summary", "--max-memory-mb", str(args.max_memory_mb),
                "--max-failures", str(args.max_failures - st.failures)]  # fmt: skip
         for t in args.target or []:
@@ -1275,7 +1354,7 @@ def _run_isolated(args: argparse.Namespace, seed: int, st: Stats) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedattn.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python tests/python/harness/fuzz.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=1000, help="number of cases to run")
     ap.add_argument("--seed", type=int, default=None, help="base seed (default: random, printed)")
     ap.add_argument("--first", type=int, default=0, help="index of the first case (to replay one case)")

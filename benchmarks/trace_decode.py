@@ -7,7 +7,7 @@ at entry, after waiting for the decode grid, and at its end. One L2-evicted call
 shape, after warm-up, queued behind a GPU spin like the benchmark; times in us from the
 first CTA's entry.
 
-    python3 .ci/trace_decode.py [--shapes=b1 x4096,opt-30b] [--calls=3]
+    python3 benchmarks/trace_decode.py [--shapes=b1 x4096,opt-30b] [--calls=3]
 """
 
 import ctypes
