@@ -30,7 +30,7 @@ def warmups(sh, kc, vc, timer):
     tq, tkc, tvc, tbt, tsl = case(1, sh.num_heads, sh.num_kv_heads, sh.head_size, dt, 64)
     tout = torch.empty_like(tq)
     # partitioned, so the decode and the reduce kernel both run
-    tiny = pagedattn.prepare_decode(tq, tkc, tvc, tbt, tsl, out=tout, version=2, partition_size=32)
+    tiny = pagedattn.prepare_decode(tq, tkc, tvc, tbt, tsl, out=tout, kernel="partitioned", partition_size=32)
     step = 65536 // kc.element_size()
     kf, vf = kc.view(-1), vc.view(-1)
     def pages():

@@ -17,7 +17,7 @@ S="$OUT/ab.txt"; : > "$S"
 note() { echo "$*" | tee -a "$S"; }
 note "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader) date: $(date -u +%F)"
 build() {  # name, source[, CUDA flags]
-  CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 400 python3 -m pip install --no-build-isolation --no-deps \
+  timeout 400 python3 -m pip install --no-build-isolation --no-deps \
     --target "/tmp/ab-$1" "$2" -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir="/tmp/ab-build-$1" \
     ${3:+-C "cmake.define.CMAKE_CUDA_FLAGS=$3"} > "$OUT/build_$1.log" 2>&1
   echo "build $1: rc=$?"

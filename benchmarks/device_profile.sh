@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd /tmp
-CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 300 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
+timeout 300 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
   -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
 for spec in ${PA_PROFILE:-vllm:32:16384 nhd:32:16384}; do
   IFS=: read -r layout batch ctx <<< "$spec"

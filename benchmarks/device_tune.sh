@@ -8,7 +8,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd /tmp
 for v in ${PA_VARIANTS:-base= w4s3=-DPAGEDATTN_MMA_STAGES=3}; do
   name=${v%%=*}; flags=${v#*=}; flags=${flags//%/ }
-  CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ timeout 240 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
+  timeout 240 python3 -m pip install --no-build-isolation --no-deps "$REPO" \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/pa-build-$name \
     -C "cmake.define.CMAKE_CUDA_FLAGS=$flags" > "$OUT/build_$name.log" 2>&1 \
     || { echo "build $name failed"; tail -5 "$OUT/build_$name.log"; continue; }

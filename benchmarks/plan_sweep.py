@@ -31,9 +31,9 @@ def main():
                 continue
             seen.add(ps)
             if np_ == 1:
-                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=1)
+                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, kernel="single_pass")
             else:
-                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=2, partition_size=ps)
+                prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, kernel="partitioned", partition_size=ps)
             row.append(f"{-(-sh.context // ps) if np_ > 1 else 1}:{ps}={timer.gpu_us(prep.run):.1f}")
         print(f"{sh.name:22s} " + " ".join(row), flush=True)
         del q, kc, vc, out

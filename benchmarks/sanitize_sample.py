@@ -29,17 +29,17 @@ def back(x):
 
 
 cases = [
-    dict(dtype=np.float16, layout="vllm", block_size=16, head_size=128, version=1),
-    dict(dtype=BF16, layout="nhd", block_size=8, head_size=80, version=2),
-    dict(dtype=np.float32, layout="vllm", block_size=32, head_size=64, version=2),
-    dict(dtype=np.float32, layout="nhd", block_size=16, head_size=40, version=1),
+    dict(dtype=np.float16, layout="vllm", block_size=16, head_size=128, kernel="single_pass"),
+    dict(dtype=BF16, layout="nhd", block_size=8, head_size=80, kernel="partitioned"),
+    dict(dtype=np.float32, layout="vllm", block_size=32, head_size=64, kernel="partitioned"),
+    dict(dtype=np.float32, layout="nhd", block_size=16, head_size=40, kernel="single_pass"),
 ]
 if quick:
     cases = cases[:2]
 for c in cases:
     p = make_problem(rng, [0, 1, 33, 190], num_heads=8, num_kv_heads=2, head_size=c["head_size"],
                      block_size=c["block_size"], dtype=c["dtype"], layout=c["layout"], alibi=True)
-    out = pagedattn.paged_attention(*[t(a) for a in p.args()], alibi_slopes=t(p.alibi_slopes), version=c["version"],
+    out = pagedattn.paged_attention(*[t(a) for a in p.args()], alibi_slopes=t(p.alibi_slopes), kernel=c["kernel"],
                                     partition_size=64)
     torch.cuda.synchronize()
     assert_close(back(out), paged_attention_ref(*p.args(), alibi_slopes=p.alibi_slopes), c["dtype"], str(c))
@@ -58,7 +58,7 @@ for layout, head in (("vllm", 64), ("nhd", 72)):
     bt = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32, device="cuda")
     sl = torch.tensor([37, 20], dtype=torch.int32, device="cuda")
     out = pagedattn.paged_attention(q, kc, vc, bt, sl, kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2,
-                                    version=2, partition_size=16)
+                                    kernel="partitioned", partition_size=16)
     ref = paged_attention_ref(q.cpu().numpy(), kc.cpu().numpy(), vc.cpu().numpy(), bt.cpu().numpy(),
                               sl.cpu().numpy(), kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2)
     assert_close(out.cpu().numpy(), ref, np.float16, f"fp8 {layout}")
@@ -66,7 +66,7 @@ for layout, head in (("vllm", 64), ("nhd", 72)):
 # lengths at partition boundaries (v2 with 64-token partitions) and a 1-token tail
 p = make_problem(rng, [63, 64, 65, 128, 129], num_heads=8, num_kv_heads=1, head_size=128, block_size=16,
                  dtype=np.float16, layout="vllm")
-out = pagedattn.paged_attention(*[t(a) for a in p.args()], version=2, partition_size=64)
+out = pagedattn.paged_attention(*[t(a) for a in p.args()], kernel="partitioned", partition_size=64)
 torch.cuda.synchronize()
 assert_close(back(out), paged_attention_ref(*p.args()), np.float16, "partition boundaries")
 

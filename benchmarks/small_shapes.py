@@ -11,6 +11,8 @@ import torch
 import pagedattn
 from pagedattn.bench.kernels import Timer
 
+KERNELS = ("auto", "single_pass", "partitioned")  # by the old version number 0, 1, 2
+
 SHAPES = [  # name, S, H, K, D, dtype, ctx
     ("opt-125m 5x196", 5, 12, 12, 64, torch.float16, 196),
     ("opt-30b 1x204", 1, 56, 56, 128, torch.float16, 204),
@@ -65,12 +67,12 @@ def main():
             continue
         q, kc, vc, bt, sl = case(S, H, K, D, dt, ctx)
         out = torch.empty_like(q)
-        ref = pagedattn.paged_attention(q, kc, vc, bt, sl, version=1)
+        ref = pagedattn.paged_attention(q, kc, vc, bt, sl, kernel="single_pass")
         configs = [(0, 0)] if quick else [(0, 0), (1, 0)] + [(2, p) for p in psizes]
         for version, psize in configs:
             if psize and psize >= ctx:
                 continue
-            prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=version, partition_size=psize)
+            prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, kernel=KERNELS[version], partition_size=psize)
             prep.run()
             torch.cuda.synchronize()
             err = (out.float() - ref.float()).abs().max().item()

@@ -112,7 +112,8 @@ def test_decode_queries_without_cuda_or_bad_args(name):
         fn(1, 8, 2, 64, 16, 4, "float16", kernel="v2")
     # What paged_attention refuses, the queries refuse with the same check: the "vllm"
     # layout of an fp8 cache (x = 16) cannot hold head size 72, the "nhd" layout can.
-    with pytest.raises(ValueError, match=f"{name}: head_size 72 does not fit the \"vllm\" layout, which needs a multiple of x = 16"):
+    vllm_x16 = f"{name}: head_size 72 does not fit the \"vllm\" layout, which needs a multiple of x = 16"
+    with pytest.raises(ValueError, match=vllm_x16):
         fn(1, 8, 2, 72, 16, 4, "float16", kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="k_scale: must be a finite positive number"):
         fn(1, 8, 2, 72, 16, 4, "float16", layout="nhd", kv_cache_dtype="fp8_e4m3", k_scale=-1.0)

@@ -28,7 +28,8 @@ PROBE = textwrap.dedent(
     kc = np.zeros((4, 16, 2, 64), np.float32)
     cases = [
         (TypeError, lambda: pagedattn.paged_attention(q, kc, kc, np.zeros((2, 1), np.int64), np.ones(2, np.int32))),
-        (IndexError, lambda: pagedattn.paged_attention(q, kc, kc, np.zeros((2, 1), np.int32), np.full(2, 99, np.int32))),
+        (IndexError,
+         lambda: pagedattn.paged_attention(q, kc, kc, np.zeros((2, 1), np.int32), np.full(2, 99, np.int32))),
         (ValueError, lambda: pagedattn.BlockManager(0, 16)),
         (pagedattn.OutOfBlocksError, lambda: pagedattn.BlockManager(1, 16).add_sequence(1, list(range(40)))),
     ]
@@ -64,7 +65,8 @@ def test_static_cxx_runtime_build_raises_cleanly(tmp_path):
     env = dict(os.environ, CXX=str(wrapper))
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     cfg = [cmake, "-S", str(ROOT), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release", "-DPAGEDATTN_CUDA=OFF",
-           "-DPAGEDATTN_PYTHON=ON", f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"]  # fmt: skip
+           "-DPAGEDATTN_PYTHON=ON", f"-Dnanobind_DIR={nanobind.cmake_dir()}",
+           f"-DPython_EXECUTABLE={sys.executable}"]  # fmt: skip
     for cmd in (cfg, [cmake, "--build", str(build), "-j", "2"]):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         assert r.returncode == 0, f"{cmd[:3]} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
