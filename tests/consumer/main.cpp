@@ -30,6 +30,25 @@ int main() {
         return 1;
       }
     }
+  // The same call with options, prepared once and run twice (as a decode loop would).
+  AttentionOptions options;
+  options.scale = 0.5f;
+  options.kernel = DecodeKernel::kAuto;
+  std::vector<float> out2(q.size(), -1.0f);
+  const PreparedDecode prepared(make_view(out2.data(), DType::kFloat32, {1, heads, head_size}),
+                                make_view(q.data(), DType::kFloat32, {1, heads, head_size}),
+                                make_view(kc.data(), DType::kFloat32, {shapes.key[0], shapes.key[1], shapes.key[2], shapes.key[3]}),
+                                make_view(vc.data(), DType::kFloat32, {shapes.value[0], shapes.value[1], shapes.value[2], shapes.value[3]}),
+                                make_view(table.data(), DType::kInt32, {1, 1}), make_view(lens.data(), DType::kInt32, {1}),
+                                options);
+  for (int run = 0; run < 2; ++run) {
+    prepared.run();
+    for (size_t i = 0; i < out.size(); ++i)
+      if (std::fabs(out2[i] - out[i]) > 1e-5) {  // equal keys: the scale does not change the mean
+        std::printf("prepared run %d differs at %zu\n", run, i);
+        return 1;
+      }
+  }
   try {
     paged_attention(make_view(out.data(), DType::kFloat32, {1, heads, head_size}),
                     make_view(q.data(), DType::kFloat32, {1, heads, head_size}),
