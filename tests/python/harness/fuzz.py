@@ -32,6 +32,7 @@ import abc
 import argparse
 import dataclasses
 import faulthandler
+import gc
 import math
 import os
 import sys
@@ -553,6 +554,20 @@ def fuzz_prepare_decode(d: Draw) -> Outcome:
     """Validate once, run many times; index contents changed in place are re-checked."""
     p = make_decode_problem(d)
     label = f"prepare_decode S={p.query.shape[0]}"
+    if d.bool(0.25):
+        # The caller drops every array right after preparing: the prepared call must own
+        # what it reads (freed memory reused in between must not change the answer).
+        label += " outliving its arrays"
+        ref = p.reference()
+        kw = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in p.kw.items()}
+        run = _call_valid(label, lambda: pagedattn.prepare_decode(*(a.copy() for a in p.args()), **kw).run)
+        del kw
+        for _ in range(d.int(1, 3)):
+            gc.collect()
+            junk = [np.full(a.shape, np.nan, a.dtype) for a in p.args()]  # reuses freed memory
+            _check_close(label, _call_valid(label, run), ref, p.dtype)
+            del junk
+        return Outcome("prepare_decode", "ok", "outliving")
     prepared = _call_valid(label, lambda: pagedattn.prepare_decode(*p.args(), **p.kw))
     for _ in range(d.int(1, 3)):
         S = p.query.shape[0]
