@@ -2,7 +2,7 @@
 #include "pagedattn/attention.hpp"
 
 #include "cpu_backend.hpp"
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn {

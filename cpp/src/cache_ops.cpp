@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
 #include "pagedattn/attention.hpp"
 #include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
@@ -184,6 +184,7 @@ DecodeParams decode_query_params(const DecodeWorkspaceQuery& q, const char* what
   p.version = q.version;
   p.partition_size = q.partition_size;
   p.device_id = q.device_id;
+  detail::check_cuda_decode_limits(p, nullptr);
   return p;
 }
 }  // namespace

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "pagedattn/errors.hpp"
+#include "pagedattn/params.hpp"
 #include "pagedattn/tensor.hpp"
 
 namespace pagedattn::detail {
@@ -33,5 +34,10 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
 // The decode kernel choice: version in {0, 1, 2}, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.
 void check_decode_choice(int version, int partition_size);
+
+// The CUDA decode kernels' limits that need no device: 16-byte aligned caches and
+// workspace, at most 65535 sequences, partition_size a multiple of 16. Defined in
+// validate.cpp.
+void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace);
 
 }  // namespace pagedattn::detail

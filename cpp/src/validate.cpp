@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "pagedattn/attention.hpp"
+#include "cuda_backend.hpp"
+#include "decode_planner.hpp"
 #include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
 
@@ -270,6 +272,17 @@ void check_cuda_geometry(std::int64_t head_size, std::int64_t block_size) {
   detail::check_cuda_sizes(head_size, block_size);
 }
 
+// ---- CUDA decode launch limits, part 2 (part 1: detail::check_cuda_decode_limits) --------
+// A caller's workspace against the bytes the call's plan needs (a device query: CUDA
+// builds only, after the workspace's own checks).
+void check_cuda_workspace_size(const DecodeParams& p) {
+  const std::size_t need = cuda_backend::decode_workspace_bytes(p);
+  if (p.workspace_bytes < need)
+    fail<InvalidArgument>("workspace: the partitioned kernel needs ", need, " bytes for these shapes, got ",
+                          p.workspace_bytes, " (see decode_workspace_size)");
+}
+// ---- end of part 2 -------------------------------------------------------------------------
+
 void check_host_limits(std::int64_t head_size, std::int64_t block_size) {
   if (head_size > supported::kCpuMaxHeadSize)
     fail<NotSupported>("head_size ", head_size, " is larger than the CPU backend's limit ", supported::kCpuMaxHeadSize);
@@ -290,6 +303,30 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size) {
     fail<NotSupported>("block_size ", block_size, " is not supported on CUDA; supported: ",
                        supported::cuda_block_sizes_str());
 }
+
+// ---- CUDA decode launch limits, part 1 (declared in device_checks.hpp) ------------------
+// Alignment, grid and partition limits of the CUDA decode kernels that the host can tell
+// from the arguments alone; no device query, so checked in every build, before the
+// build's own CUDA support. Null cache pointers (a plan query) pass.
+void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace) {
+  constexpr std::uintptr_t kAlign = supported::kCacheChunkBytes;  // the kernels' 16-byte loads
+  if (reinterpret_cast<std::uintptr_t>(p.key_cache) % kAlign != 0)
+    fail<InvalidArgument>("key_cache: the CUDA kernels need its data to start on a ", kAlign,
+                          "-byte boundary, got address ", p.key_cache);
+  if (reinterpret_cast<std::uintptr_t>(p.value_cache) % kAlign != 0)
+    fail<InvalidArgument>("value_cache: the CUDA kernels need its data to start on a ", kAlign,
+                          "-byte boundary, got address ", p.value_cache);
+  constexpr int kMaxSeqs = 65535;  // the grid's z dimension
+  if (p.num_seqs > kMaxSeqs)
+    fail<NotSupported>("num_seqs: got ", p.num_seqs, ", the CUDA kernels take at most ", kMaxSeqs,
+                       " sequences per call (split the batch)");
+  if (p.partition_size % planner::kPartitionAlign != 0)
+    fail<InvalidArgument>("partition_size: the CUDA kernels need a multiple of ", planner::kPartitionAlign, ", got ",
+                          p.partition_size);
+  if (workspace && reinterpret_cast<std::uintptr_t>(workspace->data) % kAlign != 0)
+    fail<InvalidArgument>("workspace: must start on a ", kAlign, "-byte boundary, got address ", workspace->data);
+}
+// ---- end of part 1 -------------------------------------------------------------------------
 
 void check_decode_choice(int version, int partition_size) {
   if (version < 0 || version > 2) fail<InvalidArgument>("version: got ", version, ", expected 0 (automatic), 1 or 2");
@@ -397,6 +434,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.device_id = query.device_id;
 
   if (query.device == DeviceKind::kCUDA) {
+    detail::check_cuda_decode_limits(p, opt.workspace);
     check_cuda_geometry(D, g.block_size);
     if (opt.workspace) {
       check_same_device(query, "query", *opt.workspace, "workspace");
@@ -407,6 +445,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
       for (int i = 0; i < 6; ++i) ws_w.disjoint_from(*inputs[i], names[i]);
       p.workspace = opt.workspace->data;
       p.workspace_bytes = static_cast<std::size_t>(opt.workspace->numel()) * dtype_size(opt.workspace->dtype);
+      check_cuda_workspace_size(p);
     }
   } else {
     check_host_limits(D, g.block_size);
