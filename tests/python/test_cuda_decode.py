@@ -10,6 +10,8 @@ Caches are NaN-poisoned outside the used slots and every output element is check
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -315,6 +317,79 @@ def test_out_of_range_block_ids(rng, dtype):
         pagedattn.paged_attention(*args, check_block_tables=True, version=2, partition_size=64)
     good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], check_block_tables=True)
     assert_close(to_numpy(good), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])  # tensor-core and CUDA-core kernels
+@pytest.mark.parametrize("version", [1, 2])  # single pass, partitioned + reduce
+def test_each_error_flag_names_its_entry(rng, dtype, version):
+    """Each flag of the error record (block id, sequence length) in each kernel and form:
+    the error names the entry, its value and the allowed range, and the next checked call
+    (which reuses the record) starts clean."""
+    p = make_problem(rng, [40, 70, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
+    nblocks = p.key_cache.shape[0]
+    kw = dict(check_block_tables=True, version=version, partition_size=32 if version == 2 else 0)
+    bad = p.block_tables.copy()
+    bad[2, 1] = -4  # a block id inside sequence 2's 3 blocks
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+    with pytest.raises(IndexError, match=rf"block_tables\[2, 1\] = -4 is outside \[0, num_blocks = {nblocks}\)"):
+        pagedattn.paged_attention(*args, **kw)
+    bad_len = p.seq_lens.copy()
+    bad_len[0] = -1
+    max_len = p.block_tables.shape[1] * 16
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, bad_len)]
+    msg = rf"seq_lens\[0\] = -1 is outside \[0, max_blocks_per_seq \* block_size = {max_len}\]"
+    with pytest.raises(IndexError, match=msg):
+        pagedattn.paged_attention(*args, **kw)
+    good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], **kw)
+    assert_close(to_numpy(good), paged_attention_ref(*p.args()), dtype)
+
+
+def test_checked_calls_on_two_streams_report_their_own_entry(rng):
+    """Two threads run checked calls at the same time, each on its own stream with its own
+    bad block id: every call must raise, naming its own entry (a record shared by the
+    streams could be reset, or written, by the other call between zeroing and read-back)."""
+    p = make_problem(rng, [3000, 2500, 4000, 1200], num_heads=16, num_kv_heads=4, head_size=128, dtype=np.float16)
+    q, kc, vc, sl = (to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.seq_lens))
+    nblocks = p.key_cache.shape[0]
+    entries = {"a": (1, 100, nblocks + 5), "b": (2, 200, -9)}  # (seq, column, bad id) per thread
+    tables = {}
+    for name, (seq, col, value) in entries.items():
+        bt = p.block_tables.copy()
+        bt[seq, col] = value  # inside the sequence: its length covers the column
+        assert col * 16 < p.seq_lens[seq]
+        tables[name] = to_torch(bt)
+    streams = {name: torch.cuda.Stream() for name in entries}
+    outs = {name: torch.empty_like(q) for name in entries}
+    for s in streams.values():
+        s.wait_stream(torch.cuda.current_stream())
+    barrier = threading.Barrier(len(entries))
+    failures = []
+
+    def worker(name):
+        seq, col, value = entries[name]
+        own = f"block_tables[{seq}, {col}] = {value} "
+        barrier.wait()
+        for i in range(60):
+            try:
+                pagedattn.paged_attention(q, kc, vc, tables[name], sl, out=outs[name], check_block_tables=True,
+                                          stream=streams[name].cuda_stream)  # fmt: skip
+            except IndexError as e:
+                if own not in str(e):
+                    failures.append(f"{name} call {i}: {e}")
+            else:
+                failures.append(f"{name} call {i}: no error raised")
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not failures, failures[:5]
+    ref = paged_attention_ref(*p.args())
+    for name, (seq, _, _) in entries.items():  # the other sequences are still right
+        keep = [s for s in range(len(p.seq_lens)) if s != seq]
+        assert_close(to_numpy(outs[name])[keep], ref[keep], np.float16, f"stream {name}")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
