@@ -4,7 +4,8 @@
 // Partitioned (v2) scratch, per call: [S, H, NP, D] float partial outputs plus
 // [S, H, NP] max logits and exp-sums (decode_workspace_bytes). It comes from the
 // caller's `workspace` when given (checked against the plan by the validator), else from
-// the stream's scratch pool (cuda/scratch_pool.cuh). A reduce kernel merges the partials
+// the stream's scratch pool or, during graph capture, a stream-ordered allocation
+// (cuda/scratch_pool.cuh). A reduce kernel merges the partials
 // (cuda/decode_reduce.cu). No call synchronises the host, except with check_block_tables,
 // which reads the call's error record back (cuda/error_record.cuh).
 //
@@ -45,7 +46,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);
   if (p.num_seqs == 0) return;
-  // Only the checking mode (and a pool that must grow, see pool_scratch) cares about
+  // Only the checking mode (and a scratch pool that must grow, see CallScratch) cares about
   // capture; the capture query is skipped otherwise, to keep the host cost of a call low.
   if (p.check_block_tables && stream_is_capturing(stream))
     fail<InvalidArgument>("check_block_tables=True needs a host synchronisation and cannot run during CUDA graph "
@@ -81,9 +82,13 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   k.partition_size = plan.partition_size;
   k.num_partitions = plan.num_partitions;
 
+  std::optional<CallScratch> scratch;  // partitioned calls without a caller workspace
   if (plan.partials) {
-    char* ws = p.workspace ? static_cast<char*>(p.workspace)
-                           : static_cast<char*>(pool_scratch(p.device_id, stream, plan.workspace_bytes()));
+    char* ws = static_cast<char*>(p.workspace);
+    if (ws == nullptr) {
+      scratch.emplace(p.device_id, stream, plan.workspace_bytes());
+      ws = static_cast<char*>(scratch->get());
+    }
     k.part_out = reinterpret_cast<float*>(ws);
     k.part_max = reinterpret_cast<float*>(ws + plan.max_offset());
     k.part_sum = reinterpret_cast<float*>(ws + plan.sum_offset());
@@ -121,6 +126,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
     check_launch("paged_attention: reduce kernel");
   }
 
+  if (scratch) scratch->release();
   if (record) raise_recorded_error(record->take(stream), p);
 }
 

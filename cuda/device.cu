@@ -31,6 +31,12 @@ const DeviceInfo& device_info(int device) {
     cudaGetLastError();
     mem_khz = bus_bits = 0;
   }
+  int pools = 0;
+  if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess) {
+    cudaGetLastError();
+    pools = 0;
+  }
+  info.memory_pools = pools != 0;
   const double peak = 2.0 * mem_khz * 1e3 * (bus_bits / 8.0) / 1e6;  // bytes per us
   info.mem_bw = peak > 1e5 ? 0.9 * peak : 3.0e6;                       // unknown: ~3 TB/s
   return cache.emplace(device, info).first->second;

@@ -252,6 +252,53 @@ def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
         assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph replay {lens}")
 
 
+def test_cuda_graph_torch_recipe_without_workspace(rng):
+    """PyTorch's capture recipe with no workspace=: warm up on a side stream, then capture
+    with torch.cuda.graph on its own capture stream (whose scratch pool never saw these
+    shapes; the scratch, over the pools' 4 MB minimum, becomes graph-owned memory); replay
+    with new tables, lengths and contents; a second graph of the same call replays too,
+    and eager calls on the warm-up stream still run."""
+    S, H, K, D, B, M = 8, 32, 2, 128, 16, 256
+    nblocks = S * M + 4
+    dt = NP_DTYPES["bfloat16"]
+    first = make_problem(rng, [4096, 1, 17, 600, 2000, 0, 4000, 33], num_heads=H, num_kv_heads=K, head_size=D,
+                         block_size=B, dtype=dt, num_blocks=nblocks, pad_blocks=0)  # fmt: skip
+    assert first.block_tables.shape == (S, M)
+    need = pagedattn.decode_workspace_size(S, H, K, D, B, M, "bfloat16", version=2, partition_size=64)
+    assert need > 4 << 20
+    q = to_torch(first.query)
+    kc, vc = to_torch(first.key_cache), to_torch(first.value_cache)
+    bt, sl = to_torch(first.block_tables), to_torch(first.seq_lens)
+    out = torch.empty_like(q)
+    kw = dict(out=out, version=2, partition_size=64)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*first.args()), dt, "warm-up")
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    for g in graphs:
+        with torch.cuda.graph(g):
+            pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    for i, lens in enumerate(([5, 4096, 0, 33, 64, 65, 1000, 4095], [1, 2, 3, 4, 5, 6, 7, 8], [4096] * 8)):
+        p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt,
+                         num_blocks=nblocks, pad_blocks=M - max(-(-n // B) for n in lens))  # fmt: skip
+        for src, dst in zip(p.args(), (q, kc, vc, bt, sl)):
+            dst.copy_(to_torch(src))
+        out.fill_(float("nan"))
+        graphs[i % 2].replay()
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph {i % 2} replay {lens}")
+    out.fill_(float("nan"))
+    with torch.cuda.stream(side):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    side.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, "eager after capture")
+
+
 def test_prepared_run_on_streams_and_in_a_graph(rng):
     """PreparedDecode.run on its own stream, on a torch stream object, and captured in a
     CUDA graph that is replayed after the lengths change."""
