@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "cuda/common.cuh"
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
 
 namespace pagedattn::cuda_backend {
 namespace {
@@ -26,16 +26,16 @@ struct CacheWriteKernelParams {
   float inv_k_scale, inv_v_scale;  // fp8: stored = real * (1 / scale)
 };
 
-template <class T, class CT, Fp8 F>
+template <class T, class CT, KVCacheDType F>
 __device__ __forceinline__ CT encode(float v, float inv_scale) {
-  if constexpr (F == Fp8::kNone) return from_float<CT>(v);
+  if constexpr (F == KVCacheDType::kAuto) return from_float<CT>(v);
   else return float_to_fp8<F>(v * inv_scale);
 }
 
 // One CTA per token; threads walk (head, dim) of key and value.
-template <class T, Fp8 F, CacheLayout L>
+template <class T, KVCacheDType F, CacheLayout L>
 __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKernelParams p) {
-  using CT = std::conditional_t<F == Fp8::kNone, T, std::uint8_t>;
+  using CT = std::conditional_t<F == KVCacheDType::kAuto, T, std::uint8_t>;
   const std::int64_t t = blockIdx.x;
   const std::int64_t slot = p.slot_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
                                          : static_cast<const std::int32_t*>(p.slot_mapping)[t];
@@ -61,19 +61,18 @@ __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKerne
   }
 }
 
+template <class T, KVCacheDType F>
+const void* cache_kernel_for_layout(CacheLayout l) {
+  if (l == CacheLayout::kVLLM) return reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, F, CacheLayout::kVLLM>);
+  return reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, F, CacheLayout::kNHD>);
+}
+
 template <class T>
 const void* pick_cache_kernel(KVCacheDType kv, CacheLayout l) {
-  const bool vllm = l == CacheLayout::kVLLM;
   switch (kv) {
-    case KVCacheDType::kAuto:
-      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kNone, CacheLayout::kVLLM>)
-                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kNone, CacheLayout::kNHD>);
-    case KVCacheDType::kFp8E4M3:
-      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE4M3, CacheLayout::kVLLM>)
-                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE4M3, CacheLayout::kNHD>);
-    case KVCacheDType::kFp8E5M2:
-      return vllm ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE5M2, CacheLayout::kVLLM>)
-                  : reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, Fp8::kE5M2, CacheLayout::kNHD>);
+    case KVCacheDType::kAuto: return cache_kernel_for_layout<T, KVCacheDType::kAuto>(l);
+    case KVCacheDType::kFp8E4M3: return cache_kernel_for_layout<T, KVCacheDType::kFp8E4M3>(l);
+    case KVCacheDType::kFp8E5M2: return cache_kernel_for_layout<T, KVCacheDType::kFp8E5M2>(l);
   }
   fail<InvalidArgument>("kv_cache_dtype: unknown value ", static_cast<int>(kv));
 }
@@ -150,7 +149,7 @@ void reshape_and_cache(const CacheWriteParams& p, void* stream_handle) {
   k.num_kv_heads = p.num_kv_heads;
   k.head_size = p.head_size;
   k.block_size = p.block_size;
-  k.x = static_cast<int>(16 / cache_elem_size(p.dtype, p.kv_cache_dtype));
+  k.x = static_cast<int>(supported::kCacheChunkBytes / cache_elem_size(p.dtype, p.kv_cache_dtype));
   k.num_blocks = p.num_blocks;
   k.inv_k_scale = 1.0f / p.k_scale;
   k.inv_v_scale = 1.0f / p.v_scale;

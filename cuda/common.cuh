@@ -1,6 +1,6 @@
-// Device helpers shared by every CUDA kernel family of pagedattn: error checking,
-// element types and conversions (f16, bf16, fp8), cp.async, warp reductions, and the
-// per-device properties the launchers size grids from.
+// Device helpers shared by every CUDA kernel family of pagedattn: error checking, the
+// current-device guard, element types and conversions (f16, bf16, fp8), cp.async and
+// warp reductions. Device properties and capture state: cuda/device.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,24 +42,11 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
-struct DeviceInfo {
-  int num_sms = 0;
-  int max_smem_per_block = 0;  // opt-in limit
-  int max_smem_per_sm = 0;
-  int cc_major = 0;  // compute capability (9 and up: programmatic dependent launch)
-  double mem_bw = 0;  // bytes per microsecond the decode can expect: 0.9 x the peak DRAM rate
-};
-// Read once per device (no synchronisation).
-const DeviceInfo& device_info(int device);
-
-// Whether work queued on `stream` is being captured into a CUDA graph.
-bool stream_is_capturing(cudaStream_t stream);
-
 // ---------------------------------------------------------------------------------
 // Device: element types
 // ---------------------------------------------------------------------------------
-// Cache storage kinds: the cache holds the query's dtype, or fp8 bytes of one format.
-enum class Fp8 : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
+// Cache storage kinds are KVCacheDType (supported.hpp): kAuto, the cache holds the
+// query's dtype; kFp8E4M3 / kFp8E5M2, fp8 bytes of one format.
 
 template <class T>
 struct Pack2;  // two elements in 32 bits
@@ -100,19 +87,19 @@ __device__ __forceinline__ std::uint32_t pack2<__nv_bfloat16>(float lo, float hi
 }
 
 // fp8 -> float (one byte).
-template <Fp8 F>
+template <KVCacheDType F>
 __device__ __forceinline__ float fp8_to_float(std::uint8_t v) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v),
+                                               F == KVCacheDType::kFp8E4M3 ? __NV_E4M3 : __NV_E5M2);
   return __half2float(__half(h));
 }
 
 // Two fp8 bytes (low 16 bits of `v`) -> 32 bits of packed T. e4m3 and e5m2 values are
 // exact in f16 and in bf16, so this conversion loses nothing.
-template <class T, Fp8 F>
+template <class T, KVCacheDType F>
 __device__ __forceinline__ std::uint32_t fp8x2_to(std::uint32_t v) {
   const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu),
-                                                    F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+                                                    F == KVCacheDType::kFp8E4M3 ? __NV_E4M3 : __NV_E5M2);
   if constexpr (std::is_same_v<T, __half>) {
     return static_cast<std::uint32_t>(h2.x) | (static_cast<std::uint32_t>(h2.y) << 16);
   } else {
@@ -122,10 +109,10 @@ __device__ __forceinline__ std::uint32_t fp8x2_to(std::uint32_t v) {
 }
 
 // float -> fp8 byte, round to nearest even, saturating to the largest finite value.
-template <Fp8 F>
+template <KVCacheDType F>
 __device__ __forceinline__ std::uint8_t float_to_fp8(float v) {
   return static_cast<std::uint8_t>(
-      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2));
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == KVCacheDType::kFp8E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
 // ---------------------------------------------------------------------------------

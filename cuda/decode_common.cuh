@@ -1,4 +1,4 @@
-// Pieces shared by the decode kernels: error recording, sequence-length checks, the
+// Pieces shared by the decode kernels: checked block ids and sequence lengths, the
 // cross-warp merge of online-softmax states and the final store (single pass) or
 // partial store (partitioned).
 #pragma once
@@ -8,19 +8,10 @@
 
 namespace pagedattn::cuda_backend {
 
-// Records the first error only; later ones are dropped.
-__device__ __forceinline__ void record_error(DeviceErrorRecord* e, int flag, int seq, int index, int value) {
-  if (e && atomicCAS(&e->flag, 0, flag) == 0) {
-    e->seq = seq;
-    e->index = index;
-    e->value = value;
-  }
-}
-
 // `id`, read from table column `col` of sequence `s`, or -1 (recorded) when out of range.
 __device__ __forceinline__ int checked_block_id(const DecodeKernelParams& p, int s, int col, int id) {
   if (id < 0 || id >= p.num_blocks) {
-    record_error(p.error, 1, s, col, id);
+    record_error(p.error, DecodeErrorFlag::kBlockId, s, col, id);
     return -1;
   }
   return id;
@@ -77,7 +68,7 @@ __device__ __forceinline__ int ldg_now(const std::int32_t* ptr) {
 // `len` if it is a valid length of sequence s (inside [0, M * B]), else -1 (recorded).
 __device__ __forceinline__ int checked_seq_len(const DecodeKernelParams& p, int s, int len) {
   if (len < 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
-    if (threadIdx.x == 0) record_error(p.error, 2, s, -1, len);
+    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kSeqLen, s, -1, len);
     return -1;
   }
   return len;

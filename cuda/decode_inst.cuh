@@ -1,7 +1,13 @@
 // Maps a runtime (head size, layout) to one instantiated decode kernel of a dtype and
 // cache kind. Each inst_decode_*.cu file instantiates one (dtype, cache kind) pair, so
-// the kernels compile in parallel; decode_launch.cu only sees the declarations below.
+// the kernels compile in parallel; the launcher only sees the declarations below.
+// The head sizes with a kernel of their own are supported::kCudaHeadSizes itself: the
+// dispatch below is generated from that list, so the two cannot drift apart.
 #pragma once
+
+#include <cstddef>
+#include <type_traits>
+#include <utility>
 
 #include "cuda/common.cuh"
 #include "pagedattn/supported.hpp"
@@ -15,34 +21,38 @@ struct DecodeKernelInfo {
   int rows = 0;  // query heads per CTA
 };
 
-// Head sizes with their own kernel; everything else that supported.hpp accepts runs
-// the generic one (HEAD = 0: capacity 256, runtime head size).
-inline constexpr std::array<int, 7> kSpecialisedHeads = {64, 80, 96, 112, 128, 192, 256};
-constexpr bool same_heads() {
-  for (std::size_t i = 0; i < kSpecialisedHeads.size(); ++i)
-    if (kSpecialisedHeads[i] != supported::kCudaHeadSizes[i]) return false;
-  return kSpecialisedHeads.size() == supported::kCudaHeadSizes.size();
+// The specialised list must be usable as kernel template arguments: ascending (so no
+// duplicates), each a multiple of the head-size alignment and within the generic path's
+// capacity (every specialised size is also a size the generic path could serve).
+constexpr bool valid_specialised_heads() {
+  const auto& h = supported::kCudaHeadSizes;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    if (h[i] <= 0 || h[i] > supported::kCudaMaxHeadSize || h[i] % supported::kCudaHeadSizeAlign != 0) return false;
+    if (i > 0 && h[i] <= h[i - 1]) return false;
+  }
+  return true;
 }
-static_assert(same_heads(), "update the head-size dispatch (decode_inst.cuh) together with supported.hpp");
+static_assert(valid_specialised_heads(),
+              "supported::kCudaHeadSizes must be ascending multiples of kCudaHeadSizeAlign up to kCudaMaxHeadSize");
 
 template <int V>
 using IntC = std::integral_constant<int, V>;
 
-// Calls fn(IntC<HEAD>{}) for the specialised head size, IntC<0> for the generic path.
+template <class Fn, std::size_t... I>
+DecodeKernelInfo dispatch_head_impl(int head, Fn& fn, std::index_sequence<I...>) {
+  DecodeKernelInfo info;
+  const bool specialised =
+      ((head == supported::kCudaHeadSizes[I] && (info = fn(IntC<supported::kCudaHeadSizes[I]>{}), true)) || ...);
+  if (specialised) return info;
+  if (supported::is_cuda_head_size(head)) return fn(IntC<0>{});
+  fail<NotSupported>("head_size ", head, " is not supported on CUDA; supported: ", supported::cuda_head_sizes_str());
+}
+
+// Calls fn(IntC<HEAD>{}) for a head size of supported::kCudaHeadSizes, IntC<0>{} for
+// the generic path (capacity supported::kCudaMaxHeadSize, runtime head size).
 template <class Fn>
 DecodeKernelInfo dispatch_head(int head, Fn&& fn) {
-  switch (head) {
-    case 64: return fn(IntC<64>{});
-    case 80: return fn(IntC<80>{});
-    case 96: return fn(IntC<96>{});
-    case 112: return fn(IntC<112>{});
-    case 128: return fn(IntC<128>{});
-    case 192: return fn(IntC<192>{});
-    case 256: return fn(IntC<256>{});
-    default:
-      if (supported::is_cuda_head_size(head)) return fn(IntC<0>{});
-      fail<NotSupported>("head_size ", head, " is not supported on CUDA; supported: ", supported::cuda_head_sizes_str());
-  }
+  return dispatch_head_impl(head, fn, std::make_index_sequence<supported::kCudaHeadSizes.size()>{});
 }
 
 template <class Fn>
@@ -56,7 +66,7 @@ DecodeKernelInfo dispatch_layout(CacheLayout l, Fn&& fn) {
 
 // Defined in inst_decode_*.cu (T = __half / __nv_bfloat16: tensor-core kernel;
 // T = float: CUDA-core kernel).
-template <class T, Fp8 F>
+template <class T, KVCacheDType F>
 DecodeKernelInfo decode_kernel(int head, CacheLayout layout);
 
 }  // namespace pagedattn::cuda_backend

@@ -7,7 +7,7 @@
 
 namespace pagedattn::cuda_backend {
 
-template <class T, Fp8 F>
+template <class T, KVCacheDType F>
 DecodeKernelInfo decode_kernel(int head, CacheLayout layout) {
   return dispatch_layout(layout, [&](auto lc) {
     constexpr CacheLayout L = decltype(lc)::value;

@@ -36,15 +36,15 @@ namespace pagedattn::cuda_backend {
 #define PAGEDATTN_MMA_STAGES 2
 #endif
 
-template <class T, Fp8 F, int HEAD, CacheLayout L>
+template <class T, KVCacheDType F, int HEAD, CacheLayout L>
 struct MmaDecodeConfig {
   static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = 16;  // query heads per CTA (mma M)
   static constexpr int kTok = 16;   // tokens per chunk (mma K of P.V)
-  static constexpr int kE = F == Fp8::kNone ? static_cast<int>(sizeof(T)) : 1;  // cache element bytes
-  static constexpr int kV16 = 16 / kE;                                         // elements per 16 bytes
-  static constexpr int kHMax = HEAD ? HEAD : 256;                              // capacity (generic: 256)
+  static constexpr int kE = F == KVCacheDType::kAuto ? static_cast<int>(sizeof(T)) : 1;  // cache element bytes
+  static constexpr int kV16 = supported::kCacheChunkBytes / kE;               // elements per 16 bytes (x)
+  static constexpr int kHMax = HEAD ? HEAD : supported::kCudaMaxHeadSize;    // capacity (generic: the max)
   static constexpr int kKChunks = (kHMax + kV16 - 1) / kV16;                   // 16-byte chunks per row
   static constexpr int kSPL = kV16 / 4;                                        // k-steps per 16-byte load
   static constexpr int kGroups = (kKChunks + 3) / 4;                           // 4 chunks per group
@@ -130,7 +130,7 @@ __device__ __forceinline__ int k_off(int j, int t) {
   else return (t * NJ + (NJ % 8 == 0 ? j ^ ((t & 1) << 2) : j)) * 16;
 }
 
-template <class T, Fp8 F, int HEAD, CacheLayout L>
+template <class T, KVCacheDType F, int HEAD, CacheLayout L>
 __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
   using C = MmaDecodeConfig<T, F, HEAD, L>;
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
 #pragma unroll
         for (int pi = lane; pi < nck * 16; pi += 32)
           cp_async16(ks + k_off<L, C::kKChunks>(pi >> 4, t), okk ? ksrc + pi * 16 : kc, okk ? 16 : 0);
-        constexpr int kPt16 = 16 / C::kE;      // tokens per 16-byte V piece
+        constexpr int kPt16 = C::kV16;         // tokens per 16-byte V piece
         constexpr int kPieces = 16 / kPt16;    // V pieces per dim row
         const int nvalid = idA >= 0 ? min(kPt16, max(0, tok_end - (t0 + (lane % kPieces) * kPt16))) : 0;
         const char* vsrc = nvalid > 0 ? vc + off : vc;
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc,
                    ok ? 16 : 0);
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
-      constexpr int kPt16 = 16 / C::kE;  // tokens per 16-byte piece
+      constexpr int kPt16 = C::kV16;  // tokens per 16-byte piece
       if (C::kE == 1 && B == 8) {        // fp8, 8-token blocks: 8-byte pieces
         for (int pi = lane; pi < D * 2; pi += 32) {
           const int d = pi >> 1, q = pi & 1;
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
 #pragma unroll
         for (int sub = 0; sub < C::kSPL; ++sub) {
           std::uint32_t b0, b1;
-          if constexpr (F == Fp8::kNone) {
+          if constexpr (F == KVCacheDType::kAuto) {
             b0 = w[2 * sub];
             b1 = w[2 * sub + 1];
           } else {
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         if (HEAD == 0 && n * 8 >= D) break;
         const int d = n * 8 + g;
         std::uint32_t b0, b1;
-        if constexpr (F == Fp8::kNone) {
+        if constexpr (F == KVCacheDType::kAuto) {
           const uint2 v = *reinterpret_cast<const uint2*>(vs + (d * 16 + 4 * c) * 2);
           b0 = v.x;
           b1 = v.y;
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         }
         mma16816<T>(acc[n], pa, b0, b1);
       }
-    } else if constexpr (F == Fp8::kNone) {
+    } else if constexpr (F == KVCacheDType::kAuto) {
       const int mi = lane >> 3, r = lane & 7;
 #pragma unroll
       for (int n = 0; n < C::kNTiles; n += 2) {

@@ -8,15 +8,9 @@
 
 #include <cstdint>
 
-namespace pagedattn::cuda_backend {
+#include "cuda/error_record.cuh"
 
-// The first error a kernel met (device global memory; see decode_launch.cu).
-struct DeviceErrorRecord {
-  int flag;   // 0 = none, 1 = block id out of range, 2 = seq_len out of range, 3 = slot out of range
-  int seq;    // sequence (or token for slots)
-  int index;  // block-table column (or -1)
-  int value;  // the offending value
-};
+namespace pagedattn::cuda_backend {
 
 struct DecodeKernelParams {
   void* out;  // [S, H, D], query dtype
@@ -44,7 +38,7 @@ struct DecodeKernelParams {
   float* part_max;     // [S, H, NP] partial max logit (base 2)
   float* part_sum;     // [S, H, NP] partial exp-sum
 
-  DeviceErrorRecord* error;
+  DeviceErrorRecord* error;  // the checked call's record, or null (unchecked)
 };
 
 }  // namespace pagedattn::cuda_backend

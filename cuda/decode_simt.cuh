@@ -12,21 +12,21 @@
 
 namespace pagedattn::cuda_backend {
 
-template <Fp8 F, int HEAD, CacheLayout L>
+template <KVCacheDType F, int HEAD, CacheLayout L>
 struct SimtDecodeConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = 8;
   static constexpr int kTok = 16;
-  static constexpr int kHMax = HEAD ? HEAD : 256;
+  static constexpr int kHMax = HEAD ? HEAD : supported::kCudaMaxHeadSize;  // capacity (generic: the max)
   static constexpr int kPieces = (kHMax / 4 + 31) / 32;  // 4-dim pieces per lane
   static constexpr int kSmemBytes = kWarps * kRows * kHMax * 4;
 };
 
 // Four consecutive cache elements starting at element offset `off`, as floats.
-template <Fp8 F>
+template <KVCacheDType F>
 __device__ __forceinline__ float4 load4(const void* base, std::int64_t off) {
-  if constexpr (F == Fp8::kNone) {
+  if constexpr (F == KVCacheDType::kAuto) {
     return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + off));
   } else {
     const std::uint32_t v = __ldg(reinterpret_cast<const unsigned int*>(static_cast<const std::uint8_t*>(base) + off));
@@ -34,13 +34,13 @@ __device__ __forceinline__ float4 load4(const void* base, std::int64_t off) {
                        fp8_to_float<F>(v >> 24));
   }
 }
-template <Fp8 F>
+template <KVCacheDType F>
 __device__ __forceinline__ float load1(const void* base, std::int64_t off) {
-  if constexpr (F == Fp8::kNone) return __ldg(static_cast<const float*>(base) + off);
+  if constexpr (F == KVCacheDType::kAuto) return __ldg(static_cast<const float*>(base) + off);
   else return fp8_to_float<F>(__ldg(static_cast<const std::uint8_t*>(base) + off));
 }
 
-template <Fp8 F, int HEAD, CacheLayout L>
+template <KVCacheDType F, int HEAD, CacheLayout L>
 __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     decode_simt_kernel(const __grid_constant__ DecodeKernelParams p) {
   using C = SimtDecodeConfig<F, HEAD, L>;
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = HEAD ? HEAD : p.head_size;
   const int B = p.block_size, K = p.num_kv_heads;
-  constexpr int x = F == Fp8::kNone ? 4 : 16;  // vllm key layout's x
+  constexpr int x = supported::kCacheChunkBytes / (F == KVCacheDType::kAuto ? 4 : 1);  // vllm key layout's x
 
   // As in the tensor-core kernel: the length and the warp's first block ids together.
   const std::int32_t* table_row = task.table_row;

@@ -6,7 +6,8 @@
 #include <string>
 
 #include "cpu_backend.hpp"
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
+#include "device_checks.hpp"
 #include "thread_pool.hpp"
 #include "validate.hpp"
 
@@ -66,6 +67,7 @@ auto named(const char* what, F f) {
 DecodeParams query_params(const char* what, const DecodeShape& shape, const AttentionOptions& options) {
   return named(what, [&] {
     check_decode_shape(shape, DeviceKind::kCUDA, options);
+    detail::check_cuda_decode_limits(decode_params_of(shape, options), nullptr);
     if (!built_with_cuda())
       fail<NotSupported>("this build of pagedattn has no CUDA backend (built without nvcc)");
   const int devices = cuda_backend::device_count();

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
 #include "pagedattn/attention.hpp"
 #include "device_checks.hpp"
 #include "pagedattn/errors.hpp"

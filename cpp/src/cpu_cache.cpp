@@ -12,7 +12,7 @@ void reshape_and_cache(const CacheWriteParams& p) {
   const int K = p.num_kv_heads, D = p.head_size, B = p.block_size;
   const auto elem = static_cast<std::int64_t>(dtype_size(p.dtype));
   const auto ce = static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype));
-  const int x = static_cast<int>(16 / ce);
+  const int x = static_cast<int>(supported::kCacheChunkBytes / ce);
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
 
   parallel_for(p.num_tokens, [&](std::int64_t t) {

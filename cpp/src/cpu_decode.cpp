@@ -81,7 +81,7 @@ class DecodeTask {
         kv_head_(kv_head),
         h0_(kv_head * G_),
         ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
-        x_(static_cast<int>(16 / ce_)),
+        x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
         head_elems_(static_cast<std::int64_t>(D_) * B_),
         direct_(p.dtype == DType::kFloat32 && p.kv_cache_dtype == KVCacheDType::kAuto &&
                 p.layout == CacheLayout::kVLLM),

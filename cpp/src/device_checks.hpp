@@ -6,6 +6,7 @@
 
 #include "pagedattn/attention.hpp"
 #include "pagedattn/errors.hpp"
+#include "pagedattn/params.hpp"
 #include "pagedattn/tensor.hpp"
 
 namespace pagedattn::detail {
@@ -34,5 +35,10 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
 // The decode kernel choice: a known DecodeKernel, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.
 void check_decode_choice(DecodeKernel kernel, int partition_size);
+
+// The CUDA decode kernels' limits that need no device: 16-byte aligned caches and
+// workspace, at most 65535 sequences, partition_size a multiple of 16. Defined in
+// validate.cpp.
+void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace);
 
 }  // namespace pagedattn::detail

@@ -1,7 +1,7 @@
 // Built only without the CUDA backend: the CUDA entry points refuse clearly. (The
 // validation pass already refuses CUDA arrays in such a build; these are a second
 // line of defence for direct callers.)
-#include "cuda/launch.hpp"
+#include "cuda_backend.hpp"
 #include "pagedattn/attention.hpp"
 
 namespace pagedattn {

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "validate.hpp"
+#include "cuda_backend.hpp"
+#include "decode_planner.hpp"
 #include "device_checks.hpp"
 #include "pagedattn/errors.hpp"
 
@@ -226,7 +228,7 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
     fail<TypeMismatch>(name, ": with kv_cache_dtype=\"", kv_cache_dtype_name(kv_dtype),
                        "\" the cache must be a uint8 array, got ", dtype_name(bad.dtype));
   }
-  const std::int64_t x = 16 / static_cast<std::int64_t>(cache_elem_size(dtype, kv_dtype));
+  const std::int64_t x = supported::kCacheChunkBytes / static_cast<std::int64_t>(cache_elem_size(dtype, kv_dtype));
   CacheGeometry g{};
   if (key_cache.ndim == 5) {
     g.layout = CacheLayout::kVLLM;
@@ -278,6 +280,17 @@ void check_cuda_geometry(std::int64_t head_size, std::int64_t block_size) {
   detail::check_cuda_sizes(head_size, block_size);
 }
 
+// ---- CUDA decode launch limits, part 2 (part 1: detail::check_cuda_decode_limits) --------
+// A caller's workspace against the bytes the call's plan needs (a device query: CUDA
+// builds only, after the workspace's own checks).
+void check_cuda_workspace_size(const DecodeParams& p) {
+  const std::size_t need = cuda_backend::decode_workspace_bytes(p);
+  if (p.workspace_bytes < need)
+    fail<InvalidArgument>("workspace: the partitioned kernel needs ", need, " bytes for these shapes, got ",
+                          p.workspace_bytes, " (see decode_workspace_size)");
+}
+// ---- end of part 2 -------------------------------------------------------------------------
+
 void check_host_limits(std::int64_t head_size, std::int64_t block_size) {
   if (head_size > supported::kCpuMaxHeadSize)
     fail<NotSupported>("head_size ", head_size, " is larger than the CPU backend's limit ", supported::kCpuMaxHeadSize);
@@ -298,6 +311,30 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size) {
     fail<NotSupported>("block_size ", block_size, " is not supported on CUDA; supported: ",
                        supported::cuda_block_sizes_str());
 }
+
+// ---- CUDA decode launch limits, part 1 (declared in device_checks.hpp) ------------------
+// Alignment, grid and partition limits of the CUDA decode kernels that the host can tell
+// from the arguments alone; no device query, so checked in every build, before the
+// build's own CUDA support. Null cache pointers (a plan query) pass.
+void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace) {
+  constexpr std::uintptr_t kAlign = supported::kCacheChunkBytes;  // the kernels' 16-byte loads
+  if (reinterpret_cast<std::uintptr_t>(p.key_cache) % kAlign != 0)
+    fail<InvalidArgument>("key_cache: the CUDA kernels need its data to start on a ", kAlign,
+                          "-byte boundary, got address ", p.key_cache);
+  if (reinterpret_cast<std::uintptr_t>(p.value_cache) % kAlign != 0)
+    fail<InvalidArgument>("value_cache: the CUDA kernels need its data to start on a ", kAlign,
+                          "-byte boundary, got address ", p.value_cache);
+  constexpr int kMaxSeqs = 65535;  // the grid's z dimension
+  if (p.num_seqs > kMaxSeqs)
+    fail<NotSupported>("num_seqs: got ", p.num_seqs, ", the CUDA kernels take at most ", kMaxSeqs,
+                       " sequences per call (split the batch)");
+  if (p.partition_size % planner::kPartitionAlign != 0)
+    fail<InvalidArgument>("partition_size: the CUDA kernels need a multiple of ", planner::kPartitionAlign, ", got ",
+                          p.partition_size);
+  if (workspace && reinterpret_cast<std::uintptr_t>(workspace->data) % kAlign != 0)
+    fail<InvalidArgument>("workspace: must start on a ", kAlign, "-byte boundary, got address ", workspace->data);
+}
+// ---- end of part 1 -------------------------------------------------------------------------
 
 void check_decode_choice(DecodeKernel kernel, int partition_size) {
   if (static_cast<int>(kernel) > static_cast<int>(DecodeKernel::kPartitioned))
@@ -323,7 +360,7 @@ void check_decode_shape(const DecodeShape& sh, DeviceKind device, const Attentio
     fail<InvalidArgument>("num_heads ", sh.num_heads, " (query) must be a multiple of num_kv_heads ", sh.num_kv_heads,
                           " (the caches')");
   if (sh.layout == CacheLayout::kVLLM) {
-    const int x = 16 / static_cast<int>(cache_elem_size(sh.dtype, opt.kv_cache_dtype));
+    const int x = supported::kCacheChunkBytes / static_cast<int>(cache_elem_size(sh.dtype, opt.kv_cache_dtype));
     if (sh.head_size % x != 0)
       fail<InvalidArgument>("head_size ", sh.head_size, " does not fit the \"vllm\" layout, which needs a multiple of "
                             "x = 16 / element size = ", x, " (the \"nhd\" layout takes any head size)");
@@ -366,7 +403,6 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
                                 const TensorView& seq_lens, const AttentionOptions& opt) {
   if (query.device == DeviceKind::kOther)
     fail<TypeMismatch>("query: arrays on this device type are not supported (expected cpu or cuda)");
-  if (query.device == DeviceKind::kCUDA) check_cuda_build();
   check_same_device(query, "query", out, "out");
   check_same_device(query, "query", key_cache, "key_cache");
   check_same_device(query, "query", value_cache, "value_cache");
@@ -446,6 +482,8 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.num_blocks = g.num_blocks;
 
   if (query.device == DeviceKind::kCUDA) {
+    detail::check_cuda_decode_limits(p, opt.workspace ? &*opt.workspace : nullptr);
+    check_cuda_build();
     if (opt.workspace) {
       const TensorView& ws = *opt.workspace;
       check_same_device(query, "query", ws, "workspace");
@@ -458,6 +496,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
       if (opt.alibi_slopes) ws_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
       p.workspace = ws.data;
       p.workspace_bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
+      check_cuda_workspace_size(p);
     }
   } else {
     check_decode_indices(p);
@@ -588,7 +627,7 @@ CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std
   }
   CacheShapes s;
   if (layout == CacheLayout::kVLLM) {
-    const auto x = static_cast<std::int64_t>(16 / elem_size);
+    const auto x = static_cast<std::int64_t>(supported::kCacheChunkBytes / elem_size);
     if (head_size % x != 0)
       fail<InvalidArgument>("head_size: the \"vllm\" layout needs a multiple of x = 16 / element size = ", x, ", got ",
                             head_size, " (the \"nhd\" layout takes any head size)");

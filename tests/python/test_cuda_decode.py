@@ -1,7 +1,7 @@
 """paged_attention on CUDA against the CPU path and the float64 reference.
 
 A chosen grid (not a cartesian product): dtypes x layouts x block sizes x forced
-version; every head size once (specialised and generic); GQA groups 1..32; ALiBi;
+kernel; every head size once (specialised and generic); GQA groups 1..32; ALiBi;
 fp8 caches (e4m3 / e5m2, with scales) for every query dtype; lengths around block and
 partition boundaries and a 32k context; strided query / out; CuPy arrays; CUDA-graph
 capture and replay with new block tables and lengths; out-of-range block ids.
@@ -9,6 +9,8 @@ Caches are NaN-poisoned outside the used slots and every output element is check
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -76,14 +78,14 @@ def fp8_problem(rng, seq_lens, *, kind, dtype, layout, num_heads=8, num_kv_heads
     return base
 
 
-def check(p, dtype, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=None, version=0, partition_size=0,
+def check(p, dtype, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=None, kernel="auto", partition_size=0,
           cpu=True):
     """Runs p on CUDA (torch tensors); compares with the float64 reference and the CPU path."""
     dtype = np.dtype(dtype)
     kw = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, scale=scale)
     out_t = pagedattn.paged_attention(
         to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache), to_torch(p.block_tables),
-        to_torch(p.seq_lens), alibi_slopes=to_torch(p.alibi_slopes), version=version,
+        to_torch(p.seq_lens), alibi_slopes=to_torch(p.alibi_slopes), kernel=kernel,
         partition_size=partition_size, **kw,
     )  # fmt: skip
     assert out_t.is_cuda and out_t.dtype == to_torch(p.query[:0]).dtype
@@ -103,13 +105,13 @@ def check(p, dtype, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=No
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
-@pytest.mark.parametrize("version", [1, 2])
-def test_grid_lengths_around_blocks(rng, dtype, layout, block_size, version):
+@pytest.mark.parametrize("kernel", ["single_pass", "partitioned"])
+def test_grid_lengths_around_blocks(rng, dtype, layout, block_size, kernel):
     b = block_size
     lens = [0, 1, b - 1, b, b + 1, 2 * b + 3, 300]
     p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=b, dtype=NP_DTYPES[dtype],
                      layout=layout)  # fmt: skip
-    check(p, NP_DTYPES[dtype], version=version, partition_size=64 if version == 2 else 0)
+    check(p, NP_DTYPES[dtype], kernel=kernel, partition_size=64 if kernel == "partitioned" else 0)
 
 
 # every specialised head size, and generic multiples of 8 at both ends and between
@@ -137,10 +139,10 @@ def test_gqa_groups(rng, heads, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("version", [1, 2])
-def test_alibi(rng, dtype, layout, version):
+@pytest.mark.parametrize("kernel", ["single_pass", "partitioned"])
+def test_alibi(rng, dtype, layout, kernel):
     p = make_problem(rng, [1, 17, 300], num_heads=8, num_kv_heads=4, layout=layout, alibi=True, dtype=NP_DTYPES[dtype])
-    check(p, NP_DTYPES[dtype], version=version, partition_size=128 if version == 2 else 0)
+    check(p, NP_DTYPES[dtype], kernel=kernel, partition_size=128 if kernel == "partitioned" else 0)
 
 
 @pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
@@ -157,7 +159,7 @@ def test_fp8_block_sizes_and_odd_head(rng, layout, block_size):
     head = 80 if layout == "vllm" else 72  # vllm fp8 needs a multiple of x = 16
     p = fp8_problem(rng, [9, 100], kind="fp8_e4m3", dtype=NP_DTYPES["bfloat16"], layout=layout, head_size=head,
                     block_size=block_size, alibi=True)  # fmt: skip
-    check(p, NP_DTYPES["bfloat16"], kv_cache_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.03, version=2,
+    check(p, NP_DTYPES["bfloat16"], kv_cache_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.03, kernel="partitioned",
           partition_size=32)  # fmt: skip
 
 
@@ -167,13 +169,13 @@ def test_partition_boundaries(rng, partition_size, dtype):
     P = partition_size
     lens = [1, P - 1, P, P + 1, 2 * P - 1, 2 * P + 1, 5 * P + 3]
     p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=64, dtype=NP_DTYPES[dtype])
-    check(p, NP_DTYPES[dtype], version=2, partition_size=P)
+    check(p, NP_DTYPES[dtype], kernel="partitioned", partition_size=P)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
-def test_long_context_32k(rng, version):
+@pytest.mark.parametrize("kernel", pagedattn.supported()["kernels"])
+def test_long_context_32k(rng, kernel):
     p = make_problem(rng, [32768, 1000], num_heads=8, num_kv_heads=2, head_size=64, dtype=NP_DTYPES["bfloat16"])
-    check(p, NP_DTYPES["bfloat16"], version=version, cpu=False)
+    check(p, NP_DTYPES["bfloat16"], kernel=kernel, cpu=False)
 
 
 def test_seed_shapes(rng):
@@ -216,7 +218,7 @@ def test_cupy_arrays(rng):
     assert_close(cupy.asnumpy(out), paged_attention_ref(*p.args()), np.float16)
     s = cupy.cuda.Stream(non_blocking=True)
     out2 = cupy.empty_like(out)
-    pagedattn.paged_attention(*args, out=out2, stream=s, version=2, partition_size=64)
+    pagedattn.paged_attention(*args, out=out2, stream=s, kernel="partitioned", partition_size=64)
     s.synchronize()
     assert_close(cupy.asnumpy(out2), paged_attention_ref(*p.args()), np.float16)
 
@@ -235,10 +237,10 @@ def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
     out = torch.empty_like(q)
     ws = None
     if use_workspace:
-        size = pagedattn.decode_workspace_size(S, H, K, D, B, M, "bfloat16", version=2, partition_size=64)
+        size = pagedattn.decode_workspace_size(S, H, K, D, B, M, "bfloat16", kernel="partitioned", partition_size=64)
         assert size > 0
         ws = torch.empty(size, dtype=torch.uint8, device=DEV)
-    kw = dict(out=out, version=2, partition_size=64, workspace=ws)
+    kw = dict(out=out, kernel="partitioned", partition_size=64, workspace=ws)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up on the capture stream (sizes its pool when no workspace)
@@ -262,6 +264,53 @@ def test_cuda_graph_replay_with_new_tables(rng, use_workspace):
         assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph replay {lens}")
 
 
+def test_cuda_graph_torch_recipe_without_workspace(rng):
+    """PyTorch's capture recipe with no workspace=: warm up on a side stream, then capture
+    with torch.cuda.graph on its own capture stream (whose scratch pool never saw these
+    shapes; the scratch, over the pools' 4 MB minimum, becomes graph-owned memory); replay
+    with new tables, lengths and contents; a second graph of the same call replays too,
+    and eager calls on the warm-up stream still run."""
+    S, H, K, D, B, M = 8, 32, 2, 128, 16, 256
+    nblocks = S * M + 4
+    dt = NP_DTYPES["bfloat16"]
+    first = make_problem(rng, [4096, 1, 17, 600, 2000, 0, 4000, 33], num_heads=H, num_kv_heads=K, head_size=D,
+                         block_size=B, dtype=dt, num_blocks=nblocks, pad_blocks=0)  # fmt: skip
+    assert first.block_tables.shape == (S, M)
+    need = pagedattn.decode_workspace_size(S, H, K, D, B, M, "bfloat16", kernel="partitioned", partition_size=64)
+    assert need > 4 << 20
+    q = to_torch(first.query)
+    kc, vc = to_torch(first.key_cache), to_torch(first.value_cache)
+    bt, sl = to_torch(first.block_tables), to_torch(first.seq_lens)
+    out = torch.empty_like(q)
+    kw = dict(out=out, kernel="partitioned", partition_size=64)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*first.args()), dt, "warm-up")
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    for g in graphs:
+        with torch.cuda.graph(g):
+            pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    for i, lens in enumerate(([5, 4096, 0, 33, 64, 65, 1000, 4095], [1, 2, 3, 4, 5, 6, 7, 8], [4096] * 8)):
+        p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt,
+                         num_blocks=nblocks, pad_blocks=M - max(-(-n // B) for n in lens))  # fmt: skip
+        for src, dst in zip(p.args(), (q, kc, vc, bt, sl)):
+            dst.copy_(to_torch(src))
+        out.fill_(float("nan"))
+        graphs[i % 2].replay()
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, f"graph {i % 2} replay {lens}")
+    out.fill_(float("nan"))
+    with torch.cuda.stream(side):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+    side.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, "eager after capture")
+
+
 def test_prepared_run_on_streams_and_in_a_graph(rng):
     """PreparedDecode.run on its own stream, on a torch stream object, and captured in a
     CUDA graph that is replayed after the lengths change."""
@@ -269,7 +318,7 @@ def test_prepared_run_on_streams_and_in_a_graph(rng):
                      extra_blocks=8)  # fmt: skip
     q, kc, vc, bt, sl = (to_torch(a) for a in p.args())
     out = torch.full_like(q, float("nan"))
-    prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, version=2, partition_size=128)
+    prep = pagedattn.prepare_decode(q, kc, vc, bt, sl, out=out, kernel="partitioned", partition_size=128)
     assert prep.run() is out
     torch.cuda.synchronize()
     assert_close(to_numpy(out), paged_attention_ref(*p.args()), np.float16)
@@ -295,16 +344,16 @@ def test_prepared_run_on_streams_and_in_a_graph(rng):
 
 
 def test_workspace_size_and_errors(rng):
-    assert pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=1) == 0
-    n = pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", version=2, partition_size=256)
+    assert pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", kernel="single_pass") == 0
+    n = pagedattn.decode_workspace_size(8, 32, 8, 128, 16, 64, "bfloat16", kernel="partitioned", partition_size=256)
     assert n >= 8 * 32 * 4 * (128 + 2) * 4
     p = make_problem(rng, [300, 200], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
     args = [to_torch(a) for a in p.args()]
     small = torch.empty(16, dtype=torch.uint8, device=DEV)
     with pytest.raises(ValueError, match="workspace"):
-        pagedattn.paged_attention(*args, version=2, partition_size=64, workspace=small)
+        pagedattn.paged_attention(*args, kernel="partitioned", partition_size=64, workspace=small)
     with pytest.raises(ValueError, match="partition_size"):
-        pagedattn.paged_attention(*args, version=2, partition_size=40)
+        pagedattn.paged_attention(*args, kernel="partitioned", partition_size=40)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])  # tensor-core and CUDA-core kernels
@@ -324,9 +373,82 @@ def test_out_of_range_block_ids(rng, dtype):
     bad_len[2] = p.block_tables.shape[1] * 16 + 1
     args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, bad_len)]
     with pytest.raises(IndexError, match=r"seq_lens\[2\]"):
-        pagedattn.paged_attention(*args, check_block_tables=True, version=2, partition_size=64)
+        pagedattn.paged_attention(*args, check_block_tables=True, kernel="partitioned", partition_size=64)
     good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], check_block_tables=True)
     assert_close(to_numpy(good), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])  # tensor-core and CUDA-core kernels
+@pytest.mark.parametrize("kernel", ["single_pass", "partitioned"])  # single pass, partitioned + reduce
+def test_each_error_flag_names_its_entry(rng, dtype, kernel):
+    """Each flag of the error record (block id, sequence length) in each kernel and form:
+    the error names the entry, its value and the allowed range, and the next checked call
+    (which reuses the record) starts clean."""
+    p = make_problem(rng, [40, 70, 33], num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
+    nblocks = p.key_cache.shape[0]
+    kw = dict(check_block_tables=True, kernel=kernel, partition_size=32 if kernel == "partitioned" else 0)
+    bad = p.block_tables.copy()
+    bad[2, 1] = -4  # a block id inside sequence 2's 3 blocks
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+    with pytest.raises(IndexError, match=rf"block_tables\[2, 1\] = -4 is outside \[0, num_blocks = {nblocks}\)"):
+        pagedattn.paged_attention(*args, **kw)
+    bad_len = p.seq_lens.copy()
+    bad_len[0] = -1
+    max_len = p.block_tables.shape[1] * 16
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.block_tables, bad_len)]
+    msg = rf"seq_lens\[0\] = -1 is outside \[0, max_blocks_per_seq \* block_size = {max_len}\]"
+    with pytest.raises(IndexError, match=msg):
+        pagedattn.paged_attention(*args, **kw)
+    good = pagedattn.paged_attention(*[to_torch(a) for a in p.args()], **kw)
+    assert_close(to_numpy(good), paged_attention_ref(*p.args()), dtype)
+
+
+def test_checked_calls_on_two_streams_report_their_own_entry(rng):
+    """Two threads run checked calls at the same time, each on its own stream with its own
+    bad block id: every call must raise, naming its own entry (a record shared by the
+    streams could be reset, or written, by the other call between zeroing and read-back)."""
+    p = make_problem(rng, [3000, 2500, 4000, 1200], num_heads=16, num_kv_heads=4, head_size=128, dtype=np.float16)
+    q, kc, vc, sl = (to_torch(a) for a in (p.query, p.key_cache, p.value_cache, p.seq_lens))
+    nblocks = p.key_cache.shape[0]
+    entries = {"a": (1, 100, nblocks + 5), "b": (2, 200, -9)}  # (seq, column, bad id) per thread
+    tables = {}
+    for name, (seq, col, value) in entries.items():
+        bt = p.block_tables.copy()
+        bt[seq, col] = value  # inside the sequence: its length covers the column
+        assert col * 16 < p.seq_lens[seq]
+        tables[name] = to_torch(bt)
+    streams = {name: torch.cuda.Stream() for name in entries}
+    outs = {name: torch.empty_like(q) for name in entries}
+    for s in streams.values():
+        s.wait_stream(torch.cuda.current_stream())
+    barrier = threading.Barrier(len(entries))
+    failures = []
+
+    def worker(name):
+        seq, col, value = entries[name]
+        own = f"block_tables[{seq}, {col}] = {value} "
+        barrier.wait()
+        for i in range(60):
+            try:
+                pagedattn.paged_attention(q, kc, vc, tables[name], sl, out=outs[name], check_block_tables=True,
+                                          stream=streams[name].cuda_stream)  # fmt: skip
+            except IndexError as e:
+                if own not in str(e):
+                    failures.append(f"{name} call {i}: {e}")
+            else:
+                failures.append(f"{name} call {i}: no error raised")
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not failures, failures[:5]
+    ref = paged_attention_ref(*p.args())
+    for name, (seq, _, _) in entries.items():  # the other sequences are still right
+        keep = [s for s in range(len(p.seq_lens)) if s != seq]
+        assert_close(to_numpy(outs[name])[keep], ref[keep], np.float16, f"stream {name}")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -364,11 +486,11 @@ def test_partitioned_pool_and_workspace_agree(rng, heads):
         p = make_problem(rng, lens, num_heads=H, num_kv_heads=K, head_size=128, dtype=NP_DTYPES["bfloat16"])
         args = [to_torch(a) for a in p.args()]
         ref = paged_attention_ref(*p.args())
-        pooled = pagedattn.paged_attention(*args, version=2, partition_size=P)
+        pooled = pagedattn.paged_attention(*args, kernel="partitioned", partition_size=P)
         S, M = p.block_tables.shape
-        ws = torch.empty(pagedattn.decode_workspace_size(S, H, K, 128, 16, M, "bfloat16", version=2,
+        ws = torch.empty(pagedattn.decode_workspace_size(S, H, K, 128, 16, M, "bfloat16", kernel="partitioned",
                                                           partition_size=P), dtype=torch.uint8, device=DEV)  # fmt: skip
-        two = pagedattn.paged_attention(*args, version=2, partition_size=P, workspace=ws)
+        two = pagedattn.paged_attention(*args, kernel="partitioned", partition_size=P, workspace=ws)
         assert_close(to_numpy(pooled), ref, NP_DTYPES["bfloat16"], f"pooled scratch {lens}")
         assert_close(to_numpy(two), ref, NP_DTYPES["bfloat16"], f"caller workspace {lens}")
     # invalid inputs in the partitioned form: NaN for the affected sequence only
@@ -377,8 +499,8 @@ def test_partitioned_pool_and_workspace_agree(rng, heads):
     bt, sl = p.block_tables.copy(), p.seq_lens.copy()
     bt[0, 7] = 10**6
     sl[2] = -3
-    out = to_numpy(pagedattn.paged_attention(to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache),
-                                             to_torch(bt), to_torch(sl), version=2, partition_size=P))  # fmt: skip
+    args = (to_torch(p.query), to_torch(p.key_cache), to_torch(p.value_cache), to_torch(bt), to_torch(sl))
+    out = to_numpy(pagedattn.paged_attention(*args, kernel="partitioned", partition_size=P))
     assert np.isnan(out[0].astype(np.float32)).all() and np.isnan(out[2].astype(np.float32)).all()
     assert_close(out[1:2], paged_attention_ref(*p.args())[1:2], NP_DTYPES["bfloat16"], "unaffected sequence")
 
@@ -401,8 +523,8 @@ def test_automatic_plan_fills_the_gpu():
     assert big["num_partitions"] == 1 and big["workspace_bytes"] == 0 and big["ctas"] == 32 * sms
     for S, H, K, D, ctx in ((5, 12, 12, 64, 196), (1, 56, 56, 128, 204)):  # the seeds' shapes
         assert not plan(S, H, K, D, ctx)["reduce_kernel"]
-    forced = plan(1, 32, 8, 128, 4096, version=2, partition_size=512)
+    forced = plan(1, 32, 8, 128, 4096, kernel="partitioned", partition_size=512)
     assert forced["reduce_kernel"] and forced["num_partitions"] == 8 and forced["partition_size"] == 512
-    assert plan(1, 32, 8, 128, 4096, version=1)["num_partitions"] == 1
+    assert plan(1, 32, 8, 128, 4096, kernel="single_pass")["num_partitions"] == 1
     assert plan(1, 32, 8, 128, 4096)["workspace_bytes"] == pagedattn.decode_workspace_size(
         1, 32, 8, 128, 16, 256, "bfloat16")  # fmt: skip

@@ -11,7 +11,8 @@ namespace pagedattn {
 
 // How the paged KV cache is laid out in memory; told apart by the rank of key_cache.
 enum class CacheLayout : std::uint8_t {
-  kVLLM,  // key [num_blocks, num_kv_heads, head_size/x, block_size, x], x = 16 / elem size
+  kVLLM,  // key [num_blocks, num_kv_heads, head_size/x, block_size, x],
+          //   x = supported::kCacheChunkBytes / elem size
           // value [num_blocks, num_kv_heads, head_size, block_size]
   kNHD,   // key and value [num_blocks, block_size, num_kv_heads, head_size]
 };
@@ -39,8 +40,13 @@ inline constexpr std::array<KVCacheDType, 3> kKVCacheDTypes = {KVCacheDType::kAu
 inline constexpr int kCpuMaxHeadSize = 1024;
 inline constexpr int kCpuMaxBlockSize = 1024;
 
-// CUDA: head sizes with a specialised kernel; other multiples of kCudaHeadSizeAlign up to
-// kCudaMaxHeadSize run through the generic path.
+// The "vllm" key layout groups each token's key into chunks of this many bytes: its last
+// dimension holds x = kCacheChunkBytes / element size elements (16-byte vector loads).
+inline constexpr int kCacheChunkBytes = 16;
+
+// CUDA: head sizes with a specialised kernel (ascending; the kernel dispatch is generated
+// from this list); other multiples of kCudaHeadSizeAlign up to kCudaMaxHeadSize run
+// through the generic path, whose kernels hold kCudaMaxHeadSize dims per head.
 inline constexpr std::array<int, 7> kCudaHeadSizes = {64, 80, 96, 112, 128, 192, 256};
 inline constexpr int kCudaHeadSizeAlign = 8;
 inline constexpr int kCudaMaxHeadSize = 256;

@@ -1,4 +1,4 @@
-// The interface between the C++ core and the CUDA backend. Plain C++: no CUDA types
+// The CUDA backend's interface to the C++ core, beside cpu_backend.hpp. Plain C++: no CUDA types
 // leak out of cuda/. Built with nvcc these are defined in cuda/*.cu; without CUDA,
 // cpp/src/no_cuda.cpp defines them to throw NotSupported.
 #pragma once

@@ -1,0 +1,46 @@
+// Decode kernel selection and per-device kernel set-up (cuda/decode_dispatch.cuh).
+#include "cuda/decode_dispatch.cuh"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "cuda/device.cuh"
+
+namespace pagedattn::cuda_backend {
+
+DecodeKernelInfo select_kernel(const DecodeParams& p) {
+  DecodeKernelInfo info;
+  const bool found = visit_dtype(p.dtype, [&](auto dc) {
+    using T = typename CudaElement<decltype(dc)::value>::type;
+    if (!visit_kv_cache_dtype(p.kv_cache_dtype, [&](auto kc) {
+          info = decode_kernel<T, decltype(kc)::value>(p.head_size, p.layout);
+        }))
+      fail<NotSupported>("kv_cache_dtype: \"", kv_cache_dtype_name(p.kv_cache_dtype),
+                         "\" is not supported on CUDA");
+  });
+  if (!found)
+    fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " is not supported; dtypes: ",
+                       supported::dtypes_str());
+  return info;
+}
+
+int kernel_slots_per_sm(const DecodeKernelInfo& k, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(k.func, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (k.smem > device_info(device).max_smem_per_block)
+    fail<NotSupported>("paged_attention: this kernel needs ", k.smem, " bytes of shared memory, the device allows ",
+                       device_info(device).max_smem_per_block);
+  check_cuda(cudaFuncSetAttribute(k.func, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem),
+             "cudaFuncSetAttribute");
+  int occ = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k.func, k.threads, k.smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return cache.emplace(key, std::max(occ, 1)).first->second;
+}
+
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,82 @@
+// Launch plans of decode calls (cuda/decode_launch_plan.cuh): the device and kernel
+// inputs of the host planner, and the per-thread plan cache.
+#include "cuda/decode_launch_plan.cuh"
+
+#include <cstdlib>
+
+#include "cuda/decode_dispatch.cuh"
+#include "cuda/device.cuh"
+
+namespace pagedattn::cuda_backend {
+namespace {
+
+// The inputs of make_launch_plan: everything host-known that the plan depends on.
+struct PlanKey {
+  int device, head_size, num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, version, partition_size;
+  DType dtype;
+  KVCacheDType kv_cache_dtype;
+  CacheLayout layout;
+  bool operator==(const PlanKey& o) const {
+    return device == o.device && head_size == o.head_size && num_seqs == o.num_seqs && num_heads == o.num_heads &&
+           num_kv_heads == o.num_kv_heads && max_blocks_per_seq == o.max_blocks_per_seq &&
+           block_size == o.block_size && version == o.version && partition_size == o.partition_size &&
+           dtype == o.dtype && kv_cache_dtype == o.kv_cache_dtype && layout == o.layout;
+  }
+};
+
+}  // namespace
+
+LaunchPlan make_launch_plan(const DecodeParams& p) {
+  LaunchPlan lp;
+  lp.kernel = select_kernel(p);
+  // PAGEDATTN_NO_PDL=1 turns programmatic dependent launch off (for A/B measurements).
+  static const bool pdl_off = [] {
+    const char* e = std::getenv("PAGEDATTN_NO_PDL");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }();
+  const DeviceInfo& dev = device_info(p.device_id);
+  lp.dependent_launch = !pdl_off && dev.cc_major >= 9;
+
+  planner::DecodeShape shape;
+  shape.num_seqs = p.num_seqs;
+  shape.num_heads = p.num_heads;
+  shape.num_kv_heads = p.num_kv_heads;
+  shape.head_size = p.head_size;
+  shape.block_size = p.block_size;
+  shape.max_blocks_per_seq = p.max_blocks_per_seq;
+  shape.cache_elem_bytes = cache_elem_size(p.dtype, p.kv_cache_dtype);
+  shape.version = p.version;
+  shape.partition_size = p.partition_size;
+  planner::KernelShape kernel;
+  kernel.threads = lp.kernel.threads;
+  kernel.rows = lp.kernel.rows;
+  kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id);
+  planner::DeviceShape device;
+  device.num_sms = dev.num_sms;
+  device.mem_bw = dev.mem_bw;
+  lp.plan = planner::make_plan(shape, kernel, device);
+  return lp;
+}
+
+const LaunchPlan& cached_launch_plan(const DecodeParams& p) {
+  constexpr int kSlots = 8;
+  struct Entry {
+    PlanKey key;
+    LaunchPlan plan;
+    bool used = false;
+  };
+  thread_local Entry entries[kSlots];
+  thread_local int next = 0;
+  const PlanKey key{p.device_id,  p.head_size, p.num_seqs,       p.num_heads, p.num_kv_heads,   p.max_blocks_per_seq,
+                    p.block_size, p.version,   p.partition_size, p.dtype,     p.kv_cache_dtype, p.layout};
+  for (Entry& e : entries)
+    if (e.used && e.key == key) return e.plan;
+  Entry& e = entries[next];
+  e.plan = make_launch_plan(p);  // may throw: the slot stays as it was
+  e.key = key;
+  e.used = true;
+  next = (next + 1) % kSlots;
+  return e.plan;
+}
+
+}  // namespace pagedattn::cuda_backend

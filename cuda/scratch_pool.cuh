@@ -1,0 +1,35 @@
+// Device scratch for the partitioned decode when the caller passes no `workspace`.
+//
+// Outside graph capture it is a buffer per (device, stream) that only grows. While the
+// stream is being captured, that buffer is used when it is big enough; otherwise the
+// call allocates its scratch stream-ordered (cudaMallocAsync) and frees it behind its
+// kernels (cudaFreeAsync), which a capture records as graph memory nodes: the graph owns
+// that memory, so capturing needs neither `workspace` nor a warm-up on the capture
+// stream (PyTorch's recipe warms up on a side stream, then captures on another).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace pagedattn::cuda_backend {
+
+// The scratch of one call on `device` (the current device) for work queued on `stream`.
+class CallScratch {
+ public:
+  CallScratch(int device, cudaStream_t stream, std::size_t bytes);
+  ~CallScratch();  // frees a stream-ordered allocation if release() did not (a failed call)
+  CallScratch(const CallScratch&) = delete;
+  CallScratch& operator=(const CallScratch&) = delete;
+
+  void* get() const { return ptr_; }
+  // After the call's kernels are queued: frees a stream-ordered allocation behind them.
+  void release();
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+  bool stream_ordered_ = false;
+};
+
+}  // namespace pagedattn::cuda_backend
