@@ -297,18 +297,6 @@ std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id)
 }  // namespace
 
 void bind_block_manager(nb::module_& m) {
-  static nb::exception<OutOfBlocks> out_of_blocks(m, "OutOfBlocksError", PyExc_RuntimeError);
-  out_of_blocks.attr("__doc__") =
-      "Raised when the block pool (or the CPU pool, or the watermark) cannot serve a request.\n"
-      "The manager is left exactly as it was before the call.";
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const UnknownSequence& e) {
-      PyErr_SetString(PyExc_KeyError, e.what());
-    }
-  });
-
   nb::class_<StepMetadata>(m, "StepMetadata",
                            "Everything a forward pass needs for one step (see BlockManager.step).\n\n"
                            "Arrays: block_tables int32 [S, M] (padded), seq_lens int32 [S] (context + query),\n"

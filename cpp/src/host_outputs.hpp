@@ -1,0 +1,79 @@
+// Checks and writes of the caller-provided host arrays the block manager fills (step
+// metadata and exports). Arrays may have any strides.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "pagedattn/errors.hpp"
+#include "pagedattn/tensor.hpp"
+
+namespace pagedattn::host_out {
+
+inline void check_host(const TensorView& t, const char* what, const char* name) {
+  if (t.device != DeviceKind::kCPU && t.device != DeviceKind::kCUDAHost)
+    fail<TypeMismatch>(what, ": ", name, " must be a host (CPU) array, got device ", device_name(t.device));
+}
+
+// An int32 array with ndim dimensions (shapes are checked by the caller).
+inline void check_int32(const TensorView& t, const char* what, const char* name, int ndim) {
+  check_host(t, what, name);
+  if (t.dtype != DType::kInt32) fail<TypeMismatch>(what, ": ", name, " must be int32, got ", dtype_name(t.dtype));
+  if (t.ndim != ndim) fail<InvalidArgument>(what, ": ", name, " must have ", ndim, " dimension(s), got ", t.shape_str());
+}
+
+// An int32 (or, with allow_int64, int64) vector [len]; null = not requested.
+inline void check_vec(const TensorView* t, const char* what, const char* name, std::int64_t len, bool allow_int64) {
+  if (!t) return;
+  check_host(*t, what, name);
+  const bool ok = t->dtype == DType::kInt32 || (allow_int64 && t->dtype == DType::kInt64);
+  if (!ok)
+    fail<TypeMismatch>(what, ": ", name, " must be ", allow_int64 ? "int64 or int32" : "int32", ", got ",
+                       dtype_name(t->dtype));
+  if (t->ndim != 1 || t->shape[0] != len)
+    fail<InvalidArgument>(what, ": ", name, " must have shape [", len, "], got ", t->shape_str());
+}
+
+// An int32 block table [rows, M] with M >= min_cols; null = not requested.
+inline void check_table(const TensorView* t, const char* what, std::int64_t rows, std::int64_t min_cols) {
+  if (!t) return;
+  check_host(*t, what, "block_tables");
+  if (t->dtype != DType::kInt32)
+    fail<TypeMismatch>(what, ": block_tables must be int32, got ", dtype_name(t->dtype));
+  if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] < min_cols)
+    fail<InvalidArgument>(what, ": block_tables must have shape [", rows, ", M] with M >= ", min_cols,
+                          ", got ", t->shape_str());
+}
+
+inline std::int32_t& at32(const TensorView& t, std::int64_t i) { return t.ptr<std::int32_t>()[i * t.strides[0]]; }
+
+// Writes a slot into an int64 or int32 vector.
+inline void put_slot(const TensorView& t, std::int64_t i, std::int64_t v) {
+  if (t.dtype == DType::kInt64)
+    t.ptr<std::int64_t>()[i * t.strides[0]] = v;
+  else
+    t.ptr<std::int32_t>()[i * t.strides[0]] = static_cast<std::int32_t>(v);
+}
+
+// Writes one block-table row: the blocks (released ones as pad), then pad up to the width.
+inline void write_row(const TensorView& t, std::int64_t row, const std::vector<std::int32_t>& blocks,
+                      std::int32_t pad) {
+  std::int32_t* p = t.ptr<std::int32_t>() + row * t.strides[0];
+  const std::int64_t cols = t.shape[1], s1 = t.strides[1];
+  const auto nb = static_cast<std::int64_t>(blocks.size());
+  if (s1 == 1) {
+    for (std::int64_t k = 0; k < nb; ++k) {
+      const std::int32_t b = blocks[static_cast<std::size_t>(k)];
+      p[k] = b < 0 ? pad : b;
+    }
+    std::fill(p + nb, p + cols, pad);
+  } else {
+    for (std::int64_t k = 0; k < cols; ++k) {
+      const std::int32_t b = k < nb ? blocks[static_cast<std::size_t>(k)] : pad;
+      p[k * s1] = b < 0 ? pad : b;
+    }
+  }
+}
+
+}  // namespace pagedattn::host_out
