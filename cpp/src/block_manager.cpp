@@ -132,14 +132,14 @@ std::int32_t BlockManager::Impl::take_block() {
 }
 
 std::int64_t BlockManager::Impl::count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
-                                                   std::int64_t* from_lru, std::vector<Hash128>* hashes,
+                                                   std::int64_t* from_lru, std::vector<PrefixCache::Link>* chain,
                                                    std::vector<std::int32_t>* blocks) const {
   *from_lru = 0;
   if (!cache.enabled() || tokens == nullptr || n <= 0) return 0;
   const std::int64_t max_hits = (n - 1) / bs;  // leave at least one token to compute
-  return cache.match(tokens, max_hits, extra, [&](std::int32_t b, const Hash128& h) {
+  return cache.match(tokens, max_hits, extra, [&](std::int32_t b, const Hash128& h, PrefixCache::Node node) {
     if (pool.ref(b) == 0) ++*from_lru;
-    if (hashes) hashes->push_back(h);
+    if (chain) chain->push_back(PrefixCache::Link{h, node});
     if (blocks) blocks->push_back(b);
   });
 }
@@ -147,17 +147,28 @@ std::int64_t BlockManager::Impl::count_prefix_hits(const std::int32_t* tokens, s
 void BlockManager::Impl::register_full_blocks(Seq& s) {
   if (!cache.enabled()) return;
   const std::int64_t full = std::min<std::int64_t>(s.num_computed / bs, static_cast<std::int64_t>(s.blocks.size()));
-  while (static_cast<std::int64_t>(s.hashes.size()) < full) {
-    const std::size_t j = s.hashes.size();
-    const Hash128 prev = j ? s.hashes[j - 1] : PrefixCache::root();
+  while (static_cast<std::int64_t>(s.chain.size()) < full) {
+    const std::size_t j = s.chain.size();
+    const Hash128 prev_hash = j ? s.chain[j - 1].hash : PrefixCache::root().hash;
+    const PrefixCache::Node prev = j ? s.chain[j - 1].node : PrefixCache::kRoot;
     const std::int32_t* t = &s.tokens[j * static_cast<std::size_t>(bs)];
-    const Hash128 h = cache.hash(prev, s.extra_key, t);
-    s.hashes.push_back(h);
+    const Hash128 h = cache.hash(prev_hash, s.extra_key, t);
     const std::int32_t b = s.blocks[j];
-    if (cache.is_registered(b)) continue;
-    const std::int32_t displaced = cache.insert(b, h, prev, s.extra_key, t);  // newest wins
-    if (displaced >= 0) pool.unregistered(displaced);
+    PrefixCache::Node node;
+    if (cache.is_registered(b)) {  // a shared block, registered after this same prefix
+      node = cache.node_of(b);
+    } else {
+      const std::int32_t displaced = cache.insert(b, h, prev, s.extra_key, t, &node);
+      if (displaced >= 0) pool.unregistered(displaced);  // newest wins
+    }
+    cache.retain(node);
+    s.chain.push_back(PrefixCache::Link{h, node});
   }
+}
+
+void BlockManager::Impl::release_chain(Seq& s) {
+  for (const PrefixCache::Link& link : s.chain) cache.release(link.node);
+  s.chain.clear();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -169,10 +180,10 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
   if (n < 0) fail<InvalidArgument>("add_sequence: negative token count ", n);
   if (n > 0 && tokens == nullptr) fail<InvalidArgument>("add_sequence: null token pointer");
   if (d.find(seq_id) >= 0) fail<InvalidArgument>("add_sequence: sequence id ", seq_id, " already exists");
-  std::vector<Hash128> hit_hashes;
+  std::vector<PrefixCache::Link> hit_chain;
   std::vector<std::int32_t> hit_blocks;
   std::int64_t from_lru = 0;
-  const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, &hit_hashes, &hit_blocks);
+  const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, &hit_chain, &hit_blocks);
   const std::int64_t need = d.blocks_for(n) - hits;
   const std::int64_t avail = d.pool.num_available() - from_lru;
   if (need > avail - d.watermark_blocks)
@@ -188,7 +199,7 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
     s.tokens.assign(tokens, tokens + n);
     s.blocks.clear();
     s.blocks.reserve(static_cast<std::size_t>(d.blocks_for(n) + 1));
-    s.hashes.assign(hit_hashes.begin(), hit_hashes.end());
+    s.chain.assign(hit_chain.begin(), hit_chain.end());
     d.seq_map.insert(static_cast<std::uint64_t>(seq_id), idx);
   } catch (...) {
     d.free_seq_slots.push_back(idx);
@@ -198,6 +209,7 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
     d.pool.acquire(b);
     s.blocks.push_back(b);
   }
+  for (const PrefixCache::Link& link : s.chain) d.cache.retain(link.node);
   for (std::int64_t i = 0; i < need; ++i) s.blocks.push_back(d.take_block());
   s.id = seq_id;
   s.live = true;
@@ -281,7 +293,7 @@ void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   try {
     c.tokens.assign(p.tokens.begin(), p.tokens.end());
     c.blocks.assign(p.blocks.begin(), p.blocks.end());
-    c.hashes.assign(p.hashes.begin(), p.hashes.end());
+    c.chain.assign(p.chain.begin(), p.chain.end());
     d.seq_map.insert(static_cast<std::uint64_t>(child_id), cidx);
   } catch (...) {
     d.free_seq_slots.push_back(cidx);
@@ -295,6 +307,7 @@ void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   c.first_live_block = p.first_live_block;
   for (const std::int32_t b : c.blocks)
     if (b >= 0) d.pool.add_ref(b);
+  for (const PrefixCache::Link& link : c.chain) d.cache.retain(link.node);
   ++d.num_live;
 }
 
@@ -315,7 +328,7 @@ void BlockManager::free(std::int64_t seq_id) {
   s.swapped = false;
   s.tokens.clear();
   s.blocks.clear();
-  s.hashes.clear();
+  d.release_chain(s);
   d.free_seq_slots.push_back(idx);
   --d.num_live;
 }

@@ -33,7 +33,7 @@ struct BlockManager::Impl {
     std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
     std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
     std::vector<std::int32_t> tokens;
-    std::vector<Hash128> hashes;        // chain hashes of blocks [0, hashes.size()) (caching only)
+    std::vector<PrefixCache::Link> chain;  // prefix nodes of blocks [0, chain.size()) (caching only; held)
   };
 
   explicit Impl(const BlockManagerOptions& options);  // options already validated
@@ -55,11 +55,12 @@ struct BlockManager::Impl {
   void release_block(std::int32_t b) { pool.release(b, cache.is_registered(b)); }
   void append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out);
   // Blocks of the longest cached prefix of a prompt (at most (n-1)/block_size); *from_lru
-  // counts those that are evictable now. hashes / blocks (may be null) receive the matches.
+  // counts those that are evictable now. chain / blocks (may be null) receive the matches.
   std::int64_t count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
-                                 std::int64_t* from_lru, std::vector<Hash128>* hashes,
+                                 std::int64_t* from_lru, std::vector<PrefixCache::Link>* chain,
                                  std::vector<std::int32_t>* blocks) const;
   void register_full_blocks(Seq& s);
+  void release_chain(Seq& s);  // drops the sequence's references on its prefix nodes
 
   // ---- steps (block_manager_step.cpp)
   void release_window(Seq& s, std::int64_t first_query_pos);

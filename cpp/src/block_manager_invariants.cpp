@@ -1,6 +1,7 @@
 // BlockManager::check_invariants: recomputes every count the manager keeps incrementally
 // and compares (reference counts against block tables, free / LRU / registry consistency,
 // exclusive ownership of every block that still receives slots).
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -24,7 +25,7 @@ void BlockManager::check_invariants() const {
     if (static_cast<std::int64_t>(s.blocks.size()) != d.blocks_for(len))
       bad("sequence ", s.id, " has ", s.blocks.size(), " blocks for ", len, " tokens");
     if (s.num_computed < 0 || s.num_computed > len) bad("sequence ", s.id, " num_computed out of range");
-    if (caching && static_cast<std::int64_t>(s.hashes.size()) > s.num_computed / d.bs)
+    if (caching && static_cast<std::int64_t>(s.chain.size()) > s.num_computed / d.bs)
       bad("sequence ", s.id, " hashed an uncomputed block");
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const std::int32_t b = s.blocks[j];
@@ -74,13 +75,43 @@ void BlockManager::check_invariants() const {
       if (d.pool.ref(b) != 0 || !d.cache.is_registered(b)) bad("LRU block ", b, " is in use or not registered");
       ++lru;
     }
+    // Prefix nodes: each registered block is attached to an indexed live node that names it,
+    // and every node's reference count is what refers to it (its block, child nodes, links).
+    const auto nn = static_cast<std::size_t>(d.cache.num_nodes());
+    std::vector<std::int32_t> refs(nn, 0);
     for (std::size_t b = 0; b < nb; ++b) {
       const auto bb = static_cast<std::int32_t>(b);
       if (!d.cache.is_registered(bb)) continue;
       ++registered;
-      if (!d.cache.is_indexed(bb)) bad("registered block ", b, " not in the map");
+      const PrefixCache::Node n = d.cache.node_of(bb);
+      if (n < 0 || static_cast<std::size_t>(n) >= nn) bad("registered block ", b, " has no prefix node");
+      const PrefixCache::NodeView v = d.cache.node(n);
+      if (!v.live || !v.indexed || v.block != bb) bad("registered block ", b, " and its prefix node ", n, " disagree");
     }
-    if (registered != d.cache.size()) bad("cache map size ", d.cache.size(), " vs ", registered, " registered");
+    if (registered != d.cache.num_registered())
+      bad("prefix cache counts ", d.cache.num_registered(), " registered blocks, ", registered, " found");
+    for (std::size_t n = 0; n < nn; ++n) {
+      const PrefixCache::NodeView v = d.cache.node(static_cast<PrefixCache::Node>(n));
+      if (!v.live) continue;
+      if (v.block >= 0) ++refs[n];
+      if (v.parent != PrefixCache::kRoot) {
+        if (!d.cache.node(v.parent).live) bad("prefix node ", n, " has a freed parent ", v.parent);
+        ++refs[static_cast<std::size_t>(v.parent)];
+      }
+    }
+    for (const Impl::Seq& s : d.seqs) {
+      if (!s.live) continue;
+      for (const PrefixCache::Link& link : s.chain) {
+        if (link.node < 0 || static_cast<std::size_t>(link.node) >= nn || !d.cache.node(link.node).live)
+          bad("sequence ", s.id, " links a freed prefix node");
+        ++refs[static_cast<std::size_t>(link.node)];
+      }
+    }
+    for (std::size_t n = 0; n < nn; ++n) {
+      const PrefixCache::NodeView v = d.cache.node(static_cast<PrefixCache::Node>(n));
+      if (v.live && v.refs != refs[n]) bad("prefix node ", n, " has ref count ", v.refs, " but ", refs[n], " referrers");
+      if (v.live && v.refs == 0) bad("prefix node ", n, " is live with no referrer");
+    }
   }
   if (lru != d.pool.num_evictable()) bad("LRU size ", d.pool.num_evictable(), " but ", lru, " linked");
   std::int64_t used = 0;

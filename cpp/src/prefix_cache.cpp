@@ -38,11 +38,9 @@ PrefixCache::PrefixCache(std::int32_t num_blocks, std::int64_t block_size, bool 
     : enabled_(enabled), bs_(block_size) {
   if (!enabled) return;
   const auto nb = static_cast<std::size_t>(num_blocks);
-  registered_.assign(nb, 0);
-  hash_.resize(nb);
-  parent_.resize(nb);
-  extra_.assign(nb, 0);
-  tokens_.assign(nb * static_cast<std::size_t>(bs_), 0);
+  block_node_.assign(nb, -1);
+  nodes_.reserve(nb);
+  tokens_.reserve(nb * static_cast<std::size_t>(bs_));
 }
 
 Hash128 PrefixCache::hash(const Hash128& prev, std::uint64_t extra, const std::int32_t* t) const {
@@ -66,24 +64,83 @@ Hash128 PrefixCache::hash(const Hash128& prev, std::uint64_t extra, const std::i
   return h;
 }
 
-std::int32_t PrefixCache::insert(std::int32_t b, const Hash128& h, const Hash128& prev, std::uint64_t extra,
-                                 const std::int32_t* tokens) {
-  const std::int32_t old = map_.find(h.lo);
-  if (old >= 0) erase(old);
-  map_.insert(h.lo, b);
-  const auto bi = static_cast<std::size_t>(b);
-  registered_[bi] = 1;
-  hash_[bi] = h;
-  parent_[bi] = prev;
-  extra_[bi] = extra;
-  std::memcpy(&tokens_[bi * static_cast<std::size_t>(bs_)], tokens, static_cast<std::size_t>(bs_) * sizeof(std::int32_t));
-  return old;
+PrefixCache::Node PrefixCache::new_node(const Hash128& h, Node parent, std::uint64_t extra,
+                                        const std::int32_t* tokens) {
+  Node n;
+  if (!free_nodes_.empty()) {
+    n = free_nodes_.back();
+    free_nodes_.pop_back();
+  } else {
+    n = static_cast<Node>(nodes_.size());
+    nodes_.emplace_back();
+    tokens_.resize(tokens_.size() + static_cast<std::size_t>(bs_));
+  }
+  NodeRec& r = nodes_[static_cast<std::size_t>(n)];
+  r = NodeRec{h, extra, parent, -1, 0, true, false};
+  std::memcpy(&tokens_[static_cast<std::size_t>(n) * static_cast<std::size_t>(bs_)], tokens,
+              static_cast<std::size_t>(bs_) * sizeof(std::int32_t));
+  retain(parent);
+  return n;
+}
+
+void PrefixCache::release(Node n) {
+  // A node nobody refers to is freed, which drops its reference on its parent.
+  while (n != kRoot) {
+    NodeRec& r = nodes_[static_cast<std::size_t>(n)];
+    if (--r.refs > 0) return;
+    if (r.indexed) map_.erase(r.hash.lo);
+    r.live = false;
+    free_nodes_.push_back(n);
+    n = r.parent;
+  }
+}
+
+std::int32_t PrefixCache::insert(std::int32_t b, const Hash128& h, Node parent, std::uint64_t extra,
+                                 const std::int32_t* tokens, Node* node) {
+  std::int32_t displaced = -1;
+  Node n = map_.find(h.lo);
+  if (n >= 0 && same(n, h, parent, extra, tokens)) {  // this prefix has a node: attach b to it
+    NodeRec& r = nodes_[static_cast<std::size_t>(n)];
+    if (r.block >= 0) {  // newest wins: the older holder keeps its contents but leaves the cache
+      displaced = r.block;
+      block_node_[static_cast<std::size_t>(displaced)] = -1;
+      --num_registered_;
+    } else {
+      ++r.refs;
+    }
+    r.block = b;
+  } else {
+    if (n >= 0) {  // a different prefix under the same key: it leaves the index (and the cache)
+      map_.erase(h.lo);
+      NodeRec& r = nodes_[static_cast<std::size_t>(n)];
+      r.indexed = false;
+      if (r.block >= 0) {
+        displaced = r.block;
+        block_node_[static_cast<std::size_t>(displaced)] = -1;
+        --num_registered_;
+        r.block = -1;
+        release(n);
+      }
+    }
+    n = new_node(h, parent, extra, tokens);
+    NodeRec& r = nodes_[static_cast<std::size_t>(n)];
+    r.block = b;
+    r.refs = 1;
+    map_.insert(h.lo, n);
+    r.indexed = true;
+  }
+  block_node_[static_cast<std::size_t>(b)] = n;
+  ++num_registered_;
+  *node = n;
+  return displaced;
 }
 
 void PrefixCache::erase(std::int32_t b) {
-  const auto bi = static_cast<std::size_t>(b);
-  map_.erase(hash_[bi].lo);
-  registered_[bi] = 0;
+  const Node n = block_node_[static_cast<std::size_t>(b)];
+  block_node_[static_cast<std::size_t>(b)] = -1;
+  --num_registered_;
+  nodes_[static_cast<std::size_t>(n)].block = -1;
+  release(n);
 }
 
 }  // namespace pagedattn

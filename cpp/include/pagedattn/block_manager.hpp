@@ -23,15 +23,16 @@
 //   exactly one sequence.
 //
 // Prefix caching (optional)
-//   Once all tokens of a full block are computed, the block is registered under a chained
-//   128-bit hash of (previous block's hash, the block's token ids, the sequence's extra
-//   key). add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
-//   blocks, so at least one prompt token is always left to compute). A hit is accepted
-//   only when the stored token ids and extra key are equal and the stored 128-bit chain
-//   hash of the previous block matches, so a false hit needs a 128-bit collision between
-//   two different prefixes (probability below N^2 / 2^129 for N cached blocks). When a
-//   block is registered under a hash that is already present, the newer block wins and
-//   the older one is unregistered. Blocks of freed sequences that are registered stay
+//   Once all tokens of a full block are computed, the block is registered in the prefix
+//   cache. add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
+//   blocks, so at least one prompt token is always left to compute). A hit is exact: a
+//   registered block records its token ids, the sequence's extra key and which registered
+//   block preceded it, and block i is reused only when its tokens and extra key equal the
+//   prompt's and its predecessor is the block reused at i - 1. A chained 128-bit hash only
+//   finds candidates, so a hash collision (constructed or accidental) can cost a hit but
+//   never give a false one. Token ids are any int32 values (negative ones included).
+//   When a block is registered under a hash that is already present, the newer block wins
+//   and the older one is unregistered. Blocks of freed sequences that are registered stay
 //   reusable in an LRU set and are evicted only when a block is needed and the free list
 //   is empty; a sequence's blocks enter the LRU set last block first, so a prefix
 //   outlives its tails.

@@ -1,0 +1,116 @@
+"""pagedattn.BlockManager under hostile and careless use: constructed prefix-cache hash
+collisions, extreme integers on every integer argument, very long sequences, and output
+arrays that overlap the inputs or each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pagedattn = pytest.importorskip("pagedattn")
+BlockManager = pagedattn.BlockManager
+
+# ---------------------------------------------------------------------------------------
+# Prefix cache: a constructed hash collision never gives a hit
+# ---------------------------------------------------------------------------------------
+# A replica of the manager's block hash (prefix_cache.cpp), used only to construct two
+# different blocks that hash to the same value after the same prefix: a block whose two
+# 64-bit words cancel the mixer's keys zeroes both lanes of the hash state, and there are
+# two such blocks (one per lane that the second word cancels), with token ids anywhere in
+# the int32 range (negative ones included).
+_M64 = (1 << 64) - 1
+_K0, _K1, _K2 = 0xA0761D6478BD642F, 0xE7037ED1A0B428DB, 0x8EBC6AF09C88C6E3
+_K3, _K4, _K5 = 0x589965CC75374CC3, 0x1D8E4E27C47D124F, 0x9E3779B97F4A7C15
+_ROOT = (0x243F6A8885A308D3, 0x13198A2E03707344)
+
+
+def _mum(a: int, b: int) -> int:
+    r = a * b
+    return (r & _M64) ^ (r >> 64)
+
+
+def _word(t0: int, t1: int) -> int:
+    return (t0 & 0xFFFFFFFF) | ((t1 & 0xFFFFFFFF) << 32)
+
+
+def _halves(w: int) -> list[int]:
+    return [int(np.int32(np.uint32(w & 0xFFFFFFFF))), int(np.int32(np.uint32(w >> 32)))]
+
+
+def _lanes(prev: tuple[int, int], extra: int) -> tuple[int, int]:
+    return _mum(prev[0] ^ _K0, extra ^ _K1), _mum(prev[1] ^ _K2, extra ^ _K3)
+
+
+def _hash4(prev: tuple[int, int], extra: int, t: list[int]) -> tuple[int, int]:
+    a, b = _lanes(prev, extra)
+    w0, w1 = _word(t[0], t[1]), _word(t[2], t[3])
+    a = _mum(w0 ^ _K1 ^ a, w1 ^ _K2)
+    b = _mum(w0 ^ _K4 ^ b, w1 ^ _K5)
+    return _mum(a ^ _K4, b ^ _K0), _mum(b ^ _K1, a ^ _K3)
+
+
+def _colliding_blocks(prev: tuple[int, int], extra: int = 0) -> tuple[list[int], list[int]]:
+    a, b = _lanes(prev, extra)
+    first = _halves(_K4 ^ b) + _halves(_K2)   # second word cancels lane a, first word lane b
+    second = _halves(_K1 ^ a) + _halves(_K5)  # second word cancels lane b, first word lane a
+    return first, second
+
+
+def test_constructed_hash_collision_gives_no_false_prefix_hit():
+    x, z = [1, 2, 3, 4], [5, 6, 7, 8]
+    y, y2 = _colliding_blocks(_hash4(_ROOT, 0, x))
+    assert y != y2 and _hash4(_hash4(_ROOT, 0, x), 0, y) == _hash4(_hash4(_ROOT, 0, x), 0, y2)
+    m = BlockManager(64, 4, enable_prefix_caching=True)
+    # Sequence 1 computes X Y Z: all three blocks are registered, Z after the prefix X Y.
+    assert m.add_sequence(1, x + y + z + [9]) == 0
+    m.step([1])
+    y_block = m.block_table(1)[1]
+    assert m.is_cached(y_block)
+    # Sequence 2 computes X Y': Y' is registered under the same hash as Y and replaces it.
+    assert m.add_sequence(2, x + y2 + [9]) == 4
+    m.step([2])
+    assert not m.is_cached(y_block), "the constructed blocks must collide for this test to mean anything"
+    # Sequence 3 asks for X Y' Z. Only X and Y' are cached after this prefix: Z's keys and
+    # values were computed after X Y, and reusing them would answer from another prompt.
+    assert m.add_sequence(3, x + y2 + z + [9]) == 8
+    # Sequence 4 asks for X Y Z: Y lost its registration to the collision (a miss, not a false hit).
+    assert m.add_sequence(4, x + y + z + [9]) == 4
+    m.check_invariants()
+
+
+def test_prefix_chain_survives_an_identical_registration():
+    # Two sequences with the same prompt computed chunk by chunk, interleaved: each block is
+    # registered twice (the newer wins); a later request still hits the whole prefix.
+    m = BlockManager(64, 4, enable_prefix_caching=True)
+    prompt = list(range(100, 113))
+    m.add_sequence(1, prompt)
+    m.add_sequence(2, prompt)
+    for _ in range(3):
+        m.step([1, 2], query_lens=[4, 4])
+    m.step([1, 2])
+    assert m.add_sequence(3, prompt) == 12
+    m.free(1)
+    m.free(2)
+    assert m.add_sequence(4, prompt) == 12
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("token", [-1, -(2**31), 2**31 - 1])
+def test_extreme_token_ids_are_cached_and_compared_exactly(token):
+    m = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = [token, 0, token, 1, token, token, token, token, 5]
+    assert m.add_sequence(1, prompt) == 0
+    m.step([1])
+    assert m.add_sequence(2, prompt) == 8
+    other = list(prompt)
+    other[6] = token ^ 1
+    assert m.add_sequence(3, other) == 4
+    assert m.token_ids(2).tolist() == prompt
+
+
+@pytest.mark.parametrize("token", [2**31, -(2**31) - 1, 2**63 - 1])
+def test_token_ids_outside_int32_are_refused(token):
+    m = BlockManager(16, 4, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="token_ids"):
+        m.add_sequence(1, [1, token])
+    assert len(m) == 0
