@@ -2,6 +2,7 @@
 // with what the pools can serve. The mutating calls use the same demand functions, so a
 // query and the call it predicts always agree.
 #include <algorithm>
+#include <limits>
 
 #include "block_manager_impl.hpp"
 
@@ -17,6 +18,8 @@ void BlockManager::Impl::next_block_stamp() const {
 std::int64_t BlockManager::Impl::append_demand(const Seq& s, std::int64_t n) const {
   if (n <= 0) return 0;
   const auto len = static_cast<std::int64_t>(s.tokens.size());
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  if (n > kMax - len) return kMax;  // more tokens than int64 can count: no pool serves it
   std::int64_t need = blocks_for(len + n) - static_cast<std::int64_t>(s.blocks.size());
   if (len % bs != 0 && pool.ref(s.blocks.back()) > 1) ++need;  // copy-on-write
   return need;
@@ -65,7 +68,7 @@ std::int64_t BlockManager::blocks_for(std::int64_t n) const { return impl_->bloc
 
 bool BlockManager::can_allocate(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key) const {
   const Impl& d = *impl_;
-  if (n < 0) return false;
+  if (n < 0) fail<InvalidArgument>("can_allocate: num_tokens = ", n, " must be >= 0");
   std::int64_t from_lru = 0;
   const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, nullptr, nullptr);
   return d.blocks_for(n) - hits <= d.pool.num_available() - from_lru - d.watermark_blocks;
@@ -73,8 +76,9 @@ bool BlockManager::can_allocate(const std::int32_t* tokens, std::int64_t n, std:
 
 bool BlockManager::can_append(std::int64_t seq_id, std::int64_t num_tokens) const {
   const Impl& d = *impl_;
+  if (num_tokens < 0) fail<InvalidArgument>("can_append: num_tokens = ", num_tokens, " must be >= 0");
   const Impl::Seq& s = d.seq_at(d.lookup(seq_id, "can_append"));
-  if (s.swapped || num_tokens < 0) return false;
+  if (s.swapped) return false;
   return d.append_demand(s, num_tokens) <= d.pool.num_available();
 }
 

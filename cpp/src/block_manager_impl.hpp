@@ -39,7 +39,8 @@ struct BlockManager::Impl {
   explicit Impl(const BlockManagerOptions& options);  // options already validated
 
   // ---- sequences (block_manager.cpp)
-  std::int64_t blocks_for(std::int64_t n) const { return (n + bs - 1) / bs; }
+  // Overflow-free for every int64 n (n + bs - 1 would wrap near 2^63).
+  std::int64_t blocks_for(std::int64_t n) const { return n <= 0 ? 0 : n / bs + (n % bs != 0); }
   std::int32_t find(std::int64_t seq_id) const { return seq_map.find(static_cast<std::uint64_t>(seq_id)); }
   std::int32_t lookup(std::int64_t seq_id, const char* what) const;  // throws UnknownSequence
   Seq& seq_at(std::int32_t idx) { return seqs[static_cast<std::size_t>(idx)]; }

@@ -34,12 +34,21 @@ struct IntArg {
   nb::ndarray<nb::ro> keep;
 };
 
-// Export widths are int32 block-table columns; refuse absurd widths before allocating.
-void check_max_blocks(std::int64_t max_blocks, const char* what) {
-  constexpr std::int64_t kLimit = std::numeric_limits<std::int32_t>::max();
-  if (max_blocks > kLimit)
-    fail<InvalidArgument>(what, ": max_blocks = ", max_blocks, " is larger than ", kLimit,
-                          " (block-table widths are int32)");
+// The width of a new block table: the widest table in the batch, or max_blocks, which may
+// pad up to the pool size (or the widest table, when that is wider: released sliding-window
+// entries count). Checked before anything is allocated, so an extreme max_blocks is a
+// ValueError, never an allocation of gigabytes.
+std::int64_t table_width(const BlockManager& m, std::int64_t widest, std::optional<std::int64_t> max_blocks,
+                         const char* what) {
+  if (!max_blocks) return widest;
+  if (*max_blocks < widest)
+    fail<InvalidArgument>(what, ": max_blocks = ", *max_blocks, " is smaller than the widest block table (",
+                          widest, ")");
+  const std::int64_t limit = std::max(widest, m.num_blocks());
+  if (*max_blocks > limit)
+    fail<InvalidArgument>(what, ": max_blocks = ", *max_blocks, " is larger than ", limit,
+                          " (the pool's num_blocks, or the widest block table when wider)");
+  return *max_blocks;
 }
 
 template <class T>
@@ -249,14 +258,7 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
     req.query_lens = qlens.ptr;
   }
   const StepShape shape = m.plan_step(req);
-  std::int64_t width = shape.max_blocks;
-  if (max_blocks) {
-    if (*max_blocks < shape.max_blocks)
-      fail<InvalidArgument>("step: max_blocks = ", *max_blocks, " is smaller than the widest block table (",
-                            shape.max_blocks, ")");
-    check_max_blocks(*max_blocks, "step");
-    width = *max_blocks;
-  }
+  const std::int64_t width = table_width(m, shape.max_blocks, max_blocks, "step");
   const auto n = static_cast<std::size_t>(shape.num_seqs);
   Out bt = out_arg<std::int32_t>(block_tables, {n, static_cast<std::size_t>(width)}, DType::kInt32);
   Out sl = out_arg<std::int32_t>(seq_lens, {n}, DType::kInt32);
@@ -463,8 +465,16 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "can_allocate",
           [](const BlockManager& b, nb::handle tokens_or_count, std::uint64_t extra_key) {
-            if (PyLong_Check(tokens_or_count.ptr()))
-              return b.can_allocate(nullptr, nb::cast<std::int64_t>(tokens_or_count), extra_key);
+            if (PyLong_Check(tokens_or_count.ptr())) {
+              int overflow = 0;
+              const long long n = PyLong_AsLongLongAndOverflow(tokens_or_count.ptr(), &overflow);
+              if (overflow != 0 || (n == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                fail<InvalidArgument>("can_allocate: num_tokens = ", nb::str(tokens_or_count).c_str(),
+                                      " is outside the int64 range");
+              }
+              return b.can_allocate(nullptr, n, extra_key);
+            }
             const auto t = int_arg<std::int32_t>(tokens_or_count, "can_allocate", "token_ids");
             return b.can_allocate(t.ptr, t.size, extra_key);
           },
@@ -502,13 +512,7 @@ void bind_block_manager(nb::module_& m) {
             if (out.is_none()) {
               for (std::int64_t i = 0; i < ids.size; ++i)
                 width = std::max<std::int64_t>(width, b.blocks_for(b.seq_len(ids.ptr[i])));
-              if (max_blocks) {
-                if (*max_blocks < width)
-                  fail<InvalidArgument>("block_tables: max_blocks = ", *max_blocks,
-                                        " is smaller than the widest block table (", width, ")");
-                check_max_blocks(*max_blocks, "block_tables");
-                width = *max_blocks;
-              }
+              width = table_width(b, width, max_blocks, "block_tables");
             }
             Out o = out_arg<std::int32_t>(out, {static_cast<std::size_t>(ids.size), static_cast<std::size_t>(width)},
                                           DType::kInt32);

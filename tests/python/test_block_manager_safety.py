@@ -114,3 +114,120 @@ def test_token_ids_outside_int32_are_refused(token):
     with pytest.raises(ValueError, match="token_ids"):
         m.add_sequence(1, [1, token])
     assert len(m) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Extreme integers: capacity queries never overflow, every integer argument is checked
+# ---------------------------------------------------------------------------------------
+EXTREMES = [2**31 - 1, 2**63 - 1, -1, -(2**31), -(2**63)]
+OUTSIDE_INT64 = [2**63, -(2**63) - 1, 2**64]
+
+
+def test_capacity_queries_do_not_overflow():
+    m = BlockManager(16, 16)
+    m.add_sequence(1, [1, 2, 3])
+    for n in (2**31 - 1, 2**62, 2**63 - 1):
+        assert not m.can_append(1, n)
+        assert not m.can_allocate(n)
+    assert m.can_append(1, 16 * 16 - 3) and not m.can_append(1, 16 * 16 - 2)
+    assert m.can_allocate(15 * 16) and not m.can_allocate(15 * 16 + 1)
+    for n in (-1, -(2**31), -(2**63)):
+        with pytest.raises(ValueError, match=r"can_append: num_tokens = -\d+ must be >= 0"):
+            m.can_append(1, n)
+        with pytest.raises(ValueError, match=r"can_allocate: num_tokens = -\d+ must be >= 0"):
+            m.can_allocate(n)
+    for n in OUTSIDE_INT64:
+        with pytest.raises(ValueError, match="can_allocate: num_tokens = .* outside the int64 range"):
+            m.can_allocate(n)
+    m.check_invariants()
+
+
+def _manager():
+    m = BlockManager(16, 4, num_cpu_blocks=4)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.step([1])
+    return m
+
+
+def _state(m):
+    return (m.num_free_blocks, m.num_free_cpu_blocks, m.num_pending_copies,
+            {i: (m.block_table(i), m.seq_len(i), m.num_computed(i)) for i in m.sequence_ids()})  # fmt: skip
+
+
+# Each entry: (call taking the value v, outcomes for particular values, the outcome for the
+# other int64 extremes). Outside int64, a scalar argument is a TypeError and an element of
+# a list argument (seq_ids, query_lens) a ValueError, unless listed. "ok" = a valid value;
+# "skip" = valid, but its tables take gigabytes.
+SCALAR_ERRORS = {v: TypeError for v in OUTSIDE_INT64}
+LIST_ERRORS = {v: ValueError for v in OUTSIDE_INT64}
+PAD_OK = {2**31 - 1: "ok", -1: "ok", -(2**31): "ok", **SCALAR_ERRORS}
+CALLS = {
+    "BlockManager(num_blocks)": (lambda m, v: BlockManager(v, 4), {2**31 - 1: "skip", **SCALAR_ERRORS}, ValueError),
+    "BlockManager(block_size)": (lambda m, v: BlockManager(4, v), SCALAR_ERRORS, ValueError),
+    "BlockManager(num_cpu_blocks)": (lambda m, v: BlockManager(4, 4, num_cpu_blocks=v),
+                                     {2**31 - 1: "skip", **SCALAR_ERRORS}, ValueError),
+    "BlockManager(sliding_window)": (lambda m, v: BlockManager(4, 4, sliding_window=v),
+                                     {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS}, ValueError),
+    "add_sequence(seq_id)": (lambda m, v: (m.add_sequence(v, [1]), m.free(v)), SCALAR_ERRORS, "ok"),
+    "add_sequence(extra_key)": (lambda m, v: (m.add_sequence(2, [1], extra_key=v), m.free(2)),
+                                {2**31 - 1: "ok", 2**63 - 1: "ok", 2**63: "ok", -(2**63) - 1: TypeError,
+                                 2**64: TypeError}, TypeError),
+    "append_tokens(seq_id)": (lambda m, v: m.append_tokens(v, [1]), SCALAR_ERRORS, KeyError),
+    "append_tokens_batch(seq_ids)": (lambda m, v: m.append_tokens_batch([v], [1]), LIST_ERRORS, KeyError),
+    "fork(parent_id)": (lambda m, v: m.fork(v, 2), SCALAR_ERRORS, KeyError),
+    "fork(child_id)": (lambda m, v: (m.fork(1, v), m.free(v)), SCALAR_ERRORS, "ok"),
+    "free(seq_id)": (lambda m, v: m.free(v), SCALAR_ERRORS, KeyError),
+    "step(seq_ids)": (lambda m, v: m.step([v]), LIST_ERRORS, KeyError),
+    "step(query_lens)": (lambda m, v: m.step([1], query_lens=[v]), LIST_ERRORS, ValueError),
+    "step(max_blocks)": (lambda m, v: m.step([1], max_blocks=v), SCALAR_ERRORS, ValueError),
+    "step(pad)": (lambda m, v: m.step([1], pad=v), PAD_OK, TypeError),
+    "swap_out(seq_ids)": (lambda m, v: m.swap_out([v]), LIST_ERRORS, KeyError),
+    "swap_in(seq_ids)": (lambda m, v: m.swap_in([v]), LIST_ERRORS, KeyError),
+    "can_append(seq_id)": (lambda m, v: m.can_append(v), SCALAR_ERRORS, KeyError),
+    "can_append_batch(seq_ids)": (lambda m, v: m.can_append_batch([v]), LIST_ERRORS, KeyError),
+    "can_swap_out(seq_ids)": (lambda m, v: m.can_swap_out([v]), LIST_ERRORS, KeyError),
+    "can_swap_in(seq_ids)": (lambda m, v: m.can_swap_in([v]), LIST_ERRORS, KeyError),
+    "block_tables(seq_ids)": (lambda m, v: m.block_tables([v]), LIST_ERRORS, KeyError),
+    "block_tables(max_blocks)": (lambda m, v: m.block_tables([1], max_blocks=v), SCALAR_ERRORS, ValueError),
+    "block_tables(pad)": (lambda m, v: m.block_tables([1], pad=v), PAD_OK, TypeError),
+    "seq_lens(seq_ids)": (lambda m, v: m.seq_lens([v]), LIST_ERRORS, KeyError),
+    "csr(seq_ids)": (lambda m, v: m.csr([v]), LIST_ERRORS, KeyError),
+    "csr(pad)": (lambda m, v: m.csr([1], pad=v), PAD_OK, TypeError),
+    "slots(seq_id)": (lambda m, v: m.slots(v), SCALAR_ERRORS, KeyError),
+    "slots(start)": (lambda m, v: m.slots(1, v), SCALAR_ERRORS, IndexError),
+    "slots(stop)": (lambda m, v: m.slots(1, 0, v), SCALAR_ERRORS, IndexError),
+    "block_table": (lambda m, v: m.block_table(v), SCALAR_ERRORS, KeyError),
+    "token_ids": (lambda m, v: m.token_ids(v), SCALAR_ERRORS, KeyError),
+    "seq_len": (lambda m, v: m.seq_len(v), SCALAR_ERRORS, KeyError),
+    "num_computed": (lambda m, v: m.num_computed(v), SCALAR_ERRORS, KeyError),
+    "is_swapped": (lambda m, v: m.is_swapped(v), SCALAR_ERRORS, KeyError),
+    "contains": (lambda m, v: v in m, SCALAR_ERRORS, "ok"),
+    "ref_count": (lambda m, v: m.ref_count(v), SCALAR_ERRORS, IndexError),
+    "cpu_ref_count": (lambda m, v: m.cpu_ref_count(v), SCALAR_ERRORS, IndexError),
+    "is_cached": (lambda m, v: m.is_cached(v), SCALAR_ERRORS, IndexError),
+    "can_append(num_tokens)": (lambda m, v: m.can_append(1, v), {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS},
+                               ValueError),
+    "can_allocate(num_tokens)": (lambda m, v: m.can_allocate(v), {2**31 - 1: "ok", 2**63 - 1: "ok",
+                                 **{u: ValueError for u in OUTSIDE_INT64}}, ValueError),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("value", EXTREMES + OUTSIDE_INT64)
+@pytest.mark.parametrize("name", list(CALLS))
+def test_extreme_integers_on_every_integer_argument(name, value):
+    call, special, default = CALLS[name]
+    outcome = special.get(value, default)
+    if outcome == "skip":
+        pytest.skip("a valid size whose tables take gigabytes")
+    m = _manager()
+    before = _state(m)
+    if outcome == "ok":
+        result = call(m, value)
+        if name.startswith("can_"):
+            assert result is False  # no pool holds 2^31 - 1 more tokens
+    else:
+        with pytest.raises(outcome):
+            call(m, value)
+    if not (name.startswith("step") and outcome == "ok"):  # a valid step may advance the schedule
+        assert _state(m) == before
+    m.check_invariants()

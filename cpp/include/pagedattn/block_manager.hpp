@@ -173,15 +173,16 @@ class BlockManager {
   void swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs);
 
   // ---- capacity ----------------------------------------------------------------------
-  // Whether add_sequence() would succeed for these tokens (tokens may be null: no cache hits counted).
+  // Exact for every count up to 2^63 - 1 (no overflow); a negative count throws InvalidArgument.
+  // Whether add_sequence() would succeed for n tokens (tokens may be null: no cache hits counted).
   bool can_allocate(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
-  // Whether appending num_tokens tokens to the sequence would succeed.
+  // Whether appending num_tokens tokens to the sequence would succeed (false while swapped out).
   bool can_append(std::int64_t seq_id, std::int64_t num_tokens = 1) const;
   // Whether a step appending one token to each of the (distinct) sequences would succeed.
   bool can_append_batch(const std::int64_t* seq_ids, std::int64_t n) const;
   bool can_swap_out(const std::int64_t* seq_ids, std::int64_t n) const;
   bool can_swap_in(const std::int64_t* seq_ids, std::int64_t n) const;
-  // Blocks a sequence of n tokens occupies.
+  // Blocks a sequence of n >= 0 tokens occupies (0 for n <= 0).
   std::int64_t blocks_for(std::int64_t n) const;
 
   // ---- export ------------------------------------------------------------------------
