@@ -7,6 +7,7 @@
 #include <string>
 
 #include "block_manager_impl.hpp"
+#include "host_outputs.hpp"
 
 namespace pagedattn {
 
@@ -251,6 +252,8 @@ void BlockManager::append_tokens(std::int64_t seq_id, const std::int32_t* tokens
   Impl& d = *impl_;
   if (n < 0) fail<InvalidArgument>("append_tokens: negative token count ", n);
   Impl::Seq& s = d.live_gpu_seq(seq_id, "append_tokens");
+  host_out::check_disjoint("append_tokens", {host_out::byte_range(slots_out, n, sizeof(std::int64_t), "slots_out")},
+                           {host_out::byte_range(tokens, n, sizeof(std::int32_t), "tokens")});
   const std::int64_t need = d.append_demand(s, n);
   if (need > d.pool.num_available())
     fail<OutOfBlocks>("append_tokens: sequence id ", seq_id, " needs ", need, " new block(s) for ", n,
@@ -265,6 +268,10 @@ void BlockManager::append_tokens_batch(const std::int64_t* seq_ids, std::int64_t
                                        std::int64_t* slots_out) {
   Impl& d = *impl_;
   d.resolve_batch(seq_ids, n, "append_tokens_batch", false);
+  host_out::check_disjoint("append_tokens_batch",
+                           {host_out::byte_range(slots_out, n, sizeof(std::int64_t), "slots_out")},
+                           {host_out::byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids"),
+                            host_out::byte_range(tokens, n, sizeof(std::int32_t), "tokens")});
   const std::int64_t need = d.batch_append_demand();
   if (need > d.pool.num_available())
     fail<OutOfBlocks>("append_tokens_batch: ", n, " sequence(s) need ", need, " new block(s); ",

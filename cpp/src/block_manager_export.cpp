@@ -8,6 +8,8 @@
 namespace pagedattn {
 
 using host_out::at32;
+using host_out::byte_range;
+using host_out::check_disjoint;
 using host_out::check_int32;
 
 void BlockManager::export_block_tables(const std::int64_t* seq_ids, std::int64_t n, const TensorView& out,
@@ -22,6 +24,8 @@ void BlockManager::export_block_tables(const std::int64_t* seq_ids, std::int64_t
   if (out.shape[0] != n || out.shape[1] < width)
     fail<InvalidArgument>(what, ": block_tables must have shape [", n, ", M] with M >= ", width, ", got ",
                           out.shape_str());
+  check_disjoint(what, {byte_range(&out, what, "block_tables")},
+                 {byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids")});
   for (std::int64_t i = 0; i < n; ++i)
     host_out::write_row(out, i, d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]).blocks, pad);
 }
@@ -32,6 +36,7 @@ void BlockManager::export_seq_lens(const std::int64_t* seq_ids, std::int64_t n, 
   d.resolve_batch(seq_ids, n, what, false);
   check_int32(out, what, "seq_lens", 1);
   if (out.shape[0] != n) fail<InvalidArgument>(what, ": seq_lens must have shape [", n, "], got ", out.shape_str());
+  check_disjoint(what, {byte_range(&out, what, "seq_lens")}, {byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids")});
   for (std::int64_t i = 0; i < n; ++i)
     at32(out, i) = static_cast<std::int32_t>(d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]).tokens.size());
 }
@@ -56,6 +61,10 @@ void BlockManager::export_csr(const std::int64_t* seq_ids, std::int64_t n, const
   if (indices.shape[0] != nnz) fail<InvalidArgument>(what, ": indices must have shape [", nnz, "], got ", indices.shape_str());
   if (last_page_len.shape[0] != n)
     fail<InvalidArgument>(what, ": last_page_len must have shape [", n, "], got ", last_page_len.shape_str());
+  check_disjoint(what,
+                 {byte_range(&indptr, what, "indptr"), byte_range(&indices, what, "indices"),
+                  byte_range(&last_page_len, what, "last_page_len")},
+                 {byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids")});
   std::int64_t k = 0;
   at32(indptr, 0) = 0;
   for (std::int64_t i = 0; i < n; ++i) {

@@ -144,6 +144,39 @@ PA_TEST(capacity_queries_do_not_overflow) {
   m.check_invariants();
 }
 
+PA_TEST(outputs_sharing_memory_with_inputs_are_refused) {
+  BlockManager m = make(64, 4);
+  add(m, 0, iota_tokens(10));
+  add(m, 1, iota_tokens(10));
+  const Snapshot before = snap(m);
+  std::vector<std::int64_t> buf(16, 0);
+  buf[0] = 1;
+  buf[1] = 2;
+  const std::int64_t ids[] = {0, 1};
+  StepRequest r;
+  r.seq_ids = ids;
+  r.num_seqs = 2;
+  r.query_lens = buf.data();  // [2], and slot_mapping [3] starts at the same address
+  auto v_sm = pagedattn::make_view(buf.data(), DType::kInt64, {3});
+  StepOutputs out;
+  out.slot_mapping = &v_sm;
+  PA_CHECK_THROWS(m.step(r, out), InvalidArgument);
+  std::vector<std::int32_t> lens(8, 0);
+  auto v_a = pagedattn::make_view(lens.data(), DType::kInt32, {2});
+  auto v_b = pagedattn::make_view(lens.data() + 1, DType::kInt32, {2});
+  StepOutputs both;
+  both.seq_lens = &v_a;
+  both.context_lens = &v_b;
+  r.query_lens = nullptr;
+  PA_CHECK_THROWS(m.step(r, both), InvalidArgument);
+  std::vector<std::int64_t> tok_and_slots(4, 0);  // tokens read as int32 from the slots' memory
+  PA_CHECK_THROWS(m.append_tokens(0, reinterpret_cast<const std::int32_t*>(tok_and_slots.data()), 2,
+                                  tok_and_slots.data()),
+                  InvalidArgument);
+  PA_CHECK(snap(m) == before);
+  m.check_invariants();
+}
+
 PA_TEST(copies_are_independent) {
   BlockManager a = make(8, 4, true);
   add(a, 1, iota_tokens(9));

@@ -4,6 +4,10 @@ arrays that overlap the inputs or each other."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -230,4 +234,108 @@ def test_extreme_integers_on_every_integer_argument(name, value):
             call(m, value)
     if not (name.startswith("step") and outcome == "ok"):  # a valid step may advance the schedule
         assert _state(m) == before
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs that share memory with the inputs or with each other are refused
+# ---------------------------------------------------------------------------------------
+OVERLAP = r"output {} overlaps (input|output) {} in memory"
+
+
+def test_step_with_query_lens_and_slot_mapping_in_one_buffer_is_refused_in_a_subprocess():
+    # The reported case: slot_mapping's first writes used to overwrite query_lens while
+    # the step was using it, writing far past the array (a crash or silent corruption).
+    code = textwrap.dedent(
+        """
+        import numpy as np, pagedattn
+        m = pagedattn.BlockManager(4096, 16)
+        m.add_sequence(0, list(range(1000)))
+        m.add_sequence(1, list(range(1000)))
+        buf = np.zeros(8, np.int64)
+        buf[0:2] = [1, 2]
+        try:
+            m.step([0, 1], query_lens=buf[0:2], slot_mapping=buf[0:3])
+            print("accepted", m.num_computed(0), m.num_computed(1))
+        except ValueError as e:
+            print("ValueError:", e)
+        m.check_invariants()
+        assert (m.num_computed(0), m.num_computed(1)) == (0, 0)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ValueError: step: output slot_mapping overlaps input query_lens in memory" in r.stdout, r.stdout
+
+
+def _two_sequences():
+    m = BlockManager(64, 4)
+    m.add_sequence(0, list(range(10)))
+    m.add_sequence(1, list(range(10)))
+    return m
+
+
+@pytest.mark.parametrize(
+    "out_name, in_name",
+    [("slot_mapping", "query_lens"), ("seq_lens", "token_ids"), ("block_tables", "seq_ids"),
+     ("context_lens", "seq_ids"), ("query_start_loc", "query_lens")],
+)  # fmt: skip
+def test_step_refuses_an_output_overlapping_an_input(out_name, in_name):
+    m = _two_sequences()
+    before = _state(m)
+    buf = np.zeros(64, np.int64)
+    ids = np.array([0, 1], np.int64)
+    kwargs = {"query_lens": np.array([1, 1], np.int64)}
+    token_ids = None
+    if in_name == "seq_ids":
+        buf[0:2] = ids
+        ids = buf[0:2]
+    elif in_name == "query_lens":
+        buf[0:2] = [1, 1]
+        kwargs["query_lens"] = buf[0:2]
+    else:  # token_ids: int32, read in place
+        token_ids = buf.view(np.int32)[0:2]
+        token_ids[:] = [7, 8]
+        del kwargs["query_lens"]
+    shapes = {"slot_mapping": (2,), "seq_lens": (2,), "context_lens": (2,), "query_start_loc": (3,),
+              "block_tables": (2, 8)}  # fmt: skip
+    n = int(np.prod(shapes[out_name]))
+    if out_name == "slot_mapping":
+        out = buf[0:n]
+    else:
+        out = buf.view(np.int32)[0:n].reshape(shapes[out_name])
+    kwargs[out_name] = out
+    with pytest.raises(ValueError, match=OVERLAP.format(out_name, in_name)):
+        m.step(ids, token_ids, **kwargs)
+    assert _state(m) == before
+    m.check_invariants()
+
+
+def test_step_refuses_outputs_overlapping_each_other():
+    m = _two_sequences()
+    before = _state(m)
+    buf = np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match=OVERLAP.format("seq_lens", "context_lens")):
+        m.step([0, 1], seq_lens=buf[0:2], context_lens=buf[1:3])
+    with pytest.raises(ValueError, match=OVERLAP.format("block_tables", "query_start_loc")):
+        m.step([0, 1], block_tables=buf[0:6].reshape(2, 3), query_start_loc=buf[5:8])
+    assert _state(m) == before
+    # Disjoint parts of one buffer are fine.
+    md = m.step([0, 1], seq_lens=buf[0:2], context_lens=buf[2:4], query_start_loc=buf[4:7])
+    assert md.seq_lens is not None and buf[0:2].tolist() == [10, 10] and buf[4:7].tolist() == [0, 10, 20]
+    m.check_invariants()
+
+
+def test_exports_refuse_an_output_overlapping_seq_ids():
+    m = _two_sequences()
+    buf = np.zeros(16, np.int64)
+    buf[0:2] = [0, 1]
+    ids = buf[0:2]
+    with pytest.raises(ValueError, match=OVERLAP.format("block_tables", "seq_ids")):
+        m.block_tables(ids, out=buf.view(np.int32)[2:8].reshape(2, 3))
+    with pytest.raises(ValueError, match=OVERLAP.format("seq_lens", "seq_ids")):
+        m.seq_lens(ids, out=buf.view(np.int32)[3:5])
+    assert buf[0:2].tolist() == [0, 1]
+    # Not overlapping: written.
+    assert m.seq_lens(ids, out=buf.view(np.int32)[4:6]).tolist() == [10, 10]
     m.check_invariants()

@@ -37,6 +37,11 @@
 //   is empty; a sequence's blocks enter the LRU set last block first, so a prefix
 //   outlives its tails.
 //
+// Caller arrays
+//   Every call that writes into caller memory (step, the exports, append_tokens*) refuses,
+//   with InvalidArgument naming both arrays, an output that shares memory with one of the
+//   call's inputs or with another output.
+//
 // Capacity and failures
 //   Allocation takes from the free list, then evicts the least recently used cached block.
 //   add_sequence() and swap_in() keep `watermark * num_blocks` blocks available; appends
@@ -109,7 +114,8 @@ struct StepShape {
   std::int64_t max_query_len = 0;
 };
 
-// Where step() writes. Any output may be null (not written). Host memory, any strides.
+// Where step() writes. Any output may be null (not written). Host memory, any strides. No
+// output may share memory with the request's arrays or with another output (InvalidArgument).
 struct StepOutputs {
   const TensorView* block_tables = nullptr;     // int32 [S, M], M >= StepShape::max_blocks; padded with pad
   const TensorView* seq_lens = nullptr;         // int32 [S]   context + query length
