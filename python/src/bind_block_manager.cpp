@@ -327,8 +327,10 @@ void bind_block_manager(nb::module_& m) {
       "optional automatic prefix caching with LRU eviction, swapping to a CPU pool, sliding-window\n"
       "release, and fast export of block tables / slot mappings for a batch of sequences.\n\n"
       "Errors: unknown sequence id (also a double free) -> KeyError; duplicate id, a sequence in the\n"
-      "wrong state, bad lengths -> ValueError; non-integer token ids -> TypeError; not enough blocks ->\n"
-      "OutOfBlocksError. A call that raises leaves the manager unchanged. Not thread-safe: calls hold\n"
+      "wrong state, bad lengths, an output array sharing memory with an input or another output ->\n"
+      "ValueError; non-integer token ids -> TypeError; not enough blocks -> OutOfBlocksError. A call\n"
+      "that raises leaves the manager unchanged. Prefix-cache hits are exact (token ids, any int32,\n"
+      "are compared along the whole prefix; a hash collision can never give a hit). Not thread-safe: calls hold\n"
       "the GIL, so Python threads are serialized; do not share one manager across free-threaded code.")
       .def(
           "__init__",
@@ -430,8 +432,10 @@ void bind_block_manager(nb::module_& m) {
            "One scheduler step for a batch. token_ids (one per sequence) are appended first (a decode\n"
            "step); then query_lens[i] tokens of each sequence (default: all not yet computed) are\n"
            "scheduled and marked computed. Returns a StepMetadata. Output arrays may be passed in\n"
-           "(any writable host DLPack array of the right dtype/shape; block_tables may be wider);\n"
-           "the rest are new NumPy arrays. Pending copy-on-write pairs are drained into copy_pairs.")
+           "(any writable host DLPack array of the right dtype/shape; block_tables may be wider; none\n"
+           "may share memory with an input or another output); the rest are new NumPy arrays.\n"
+           "max_blocks pads the new block table up to the pool size (or the widest table). Pending\n"
+           "copy-on-write pairs are drained into copy_pairs.")
       .def(
           "take_copy_pairs",
           [](BlockManager& b) {
@@ -479,8 +483,11 @@ void bind_block_manager(nb::module_& m) {
             return b.can_allocate(t.ptr, t.size, extra_key);
           },
           "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
-          "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count).")
-      .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1)
+          "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count,\n"
+          "exact up to 2**63 - 1; negative -> ValueError).")
+      .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1,
+           "Whether appending num_tokens tokens would succeed now (exact up to 2**63 - 1; negative ->\n"
+           "ValueError; False while swapped out).")
       .def(
           "can_append_batch",
           [](const BlockManager& b, nb::handle seq_ids) {
@@ -520,7 +527,8 @@ void bind_block_manager(nb::module_& m) {
             return o.obj;
           },
           "seq_ids"_a, nb::kw_only(), "out"_a = nb::none(), "max_blocks"_a = nb::none(), "pad"_a = 0,
-          "Block tables int32 [S, M], padded with pad (M = widest table, or max_blocks, or out's width).")
+          "Block tables int32 [S, M], padded with pad (M = widest table, or max_blocks up to the pool\n"
+          "size, or out's width; out may not share memory with seq_ids).")
       .def(
           "seq_lens",
           [](const BlockManager& b, nb::handle seq_ids, const nb::object& out) {

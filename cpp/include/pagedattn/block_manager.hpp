@@ -25,13 +25,14 @@
 // Prefix caching (optional)
 //   Once all tokens of a full block are computed, the block is registered in the prefix
 //   cache. add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
-//   blocks, so at least one prompt token is always left to compute). A hit is exact: a
-//   registered block records its token ids, the sequence's extra key and which registered
-//   block preceded it, and block i is reused only when its tokens and extra key equal the
-//   prompt's and its predecessor is the block reused at i - 1. A chained 128-bit hash only
-//   finds candidates, so a hash collision (constructed or accidental) can cost a hit but
-//   never give a false one. Token ids are any int32 values (negative ones included).
-//   When a block is registered under a hash that is already present, the newer block wins
+//   blocks, so at least one prompt token is always left to compute). A hit is exact: the
+//   cache keeps a tree of prefixes (each node: its parent prefix, the extra key, the
+//   block's exact token ids), a registered block is attached to the prefix it was computed
+//   after, and block i is reused only when its node's parent is the node reused at i - 1
+//   and its tokens and extra key equal the prompt's. A chained 128-bit hash only finds
+//   candidates, so a hash collision (constructed or accidental) can cost a hit but never
+//   give a false one. Token ids are any int32 values (negative ones included).
+//   When a block is registered for a prefix that already has a block, the newer block wins
 //   and the older one is unregistered. Blocks of freed sequences that are registered stay
 //   reusable in an LRU set and are evicted only when a block is needed and the free list
 //   is empty; a sequence's blocks enter the LRU set last block first, so a prefix
@@ -135,7 +136,7 @@ class BlockManager {
   BlockManager& operator=(const BlockManager& other);
   BlockManager(BlockManager&&) noexcept;
   BlockManager& operator=(BlockManager&&) noexcept;
-  ~BlockManager();
+  ~BlockManager();  // a moved-from manager may only be destroyed or assigned to
 
   const BlockManagerOptions& options() const;
   std::int64_t block_size() const;
@@ -227,7 +228,8 @@ class BlockManager {
   const PrefixCacheStats& prefix_cache_stats() const;
   void reset_prefix_cache_stats();
   // Checks every internal invariant (reference counts against tables, free/LRU/map
-  // consistency, slot uniqueness); throws std::logic_error on the first violation. O(pool + tokens).
+  // consistency, prefix-node reference counts, exclusive ownership of every block still
+  // receiving slots); throws std::logic_error on the first violation. O(pool + tokens).
   void check_invariants() const;
 
  private:
