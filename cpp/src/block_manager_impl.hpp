@@ -8,7 +8,7 @@
 //   block_manager_export.cpp      block tables, sequence lengths, CSR page tables, slots
 //   block_manager_invariants.cpp  check_invariants
 //   block_pool.hpp                reference counts, free list, LRU of evictable cached blocks
-//   prefix_cache.hpp              block hash, registry and prefix lookup
+//   prefix_cache.hpp              block hash, prefix-node tree, registry and exact prefix lookup
 //   id_map.hpp                    the int64 -> int32 hash map (sequence ids, block hashes)
 //   host_outputs.hpp              checks and writes of caller-provided output arrays
 #pragma once

@@ -1,6 +1,6 @@
 // IdMap: an open-addressing hash map from 64-bit keys to non-negative int32 values (linear
 // probing, backward-shift deletion, no tombstones). The block manager maps sequence ids to
-// sequence slots with it, and the prefix cache maps block hashes to blocks.
+// sequence slots with it, and the prefix cache maps block hashes to prefix nodes.
 #pragma once
 
 #include <cstdint>
