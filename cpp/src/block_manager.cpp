@@ -35,8 +35,10 @@ const BlockManagerOptions& validated(const BlockManagerOptions& opt) {
   // pool, allocated up front); refuse geometries whose table could never be allocated.
   constexpr std::int64_t kMaxCachedSlots = std::int64_t{1} << 32;
   if (opt.enable_prefix_caching && opt.num_blocks > kMaxCachedSlots / opt.block_size)
-    fail<InvalidArgument>("BlockManager: with enable_prefix_caching, num_blocks * block_size must be at most 2^32 "
-                          "slots, got ", opt.num_blocks, " * ", opt.block_size);
+    fail<InvalidArgument>(
+        "BlockManager: with enable_prefix_caching, num_blocks * block_size must be at most 2^32 "
+        "slots, got ",
+        opt.num_blocks, " * ", opt.block_size);
   return opt;
 }
 
@@ -45,10 +47,12 @@ const BlockManagerOptions& validated(const BlockManagerOptions& opt) {
 BlockManager::Impl::Impl(const BlockManagerOptions& options)
     : opt(options),
       bs(options.block_size),
-      watermark_blocks(static_cast<std::int64_t>(options.watermark * static_cast<double>(options.num_blocks))),
+      watermark_blocks(
+          static_cast<std::int64_t>(options.watermark * static_cast<double>(options.num_blocks))),
       pool(static_cast<std::int32_t>(options.num_blocks), options.enable_prefix_caching),
       cpu_pool(static_cast<std::int32_t>(options.num_cpu_blocks), false),
-      cache(static_cast<std::int32_t>(options.num_blocks), options.block_size, options.enable_prefix_caching) {
+      cache(static_cast<std::int32_t>(options.num_blocks), options.block_size,
+            options.enable_prefix_caching) {
   const auto marks = static_cast<std::size_t>(std::max(options.num_blocks, options.num_cpu_blocks));
   block_mark.assign(marks, 0);
   block_stamp.assign(marks, 0);
@@ -132,8 +136,9 @@ std::int32_t BlockManager::Impl::take_block() {
   return b;
 }
 
-std::int64_t BlockManager::Impl::count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
-                                                   std::int64_t* from_lru, std::vector<PrefixCache::Link>* chain,
+std::int64_t BlockManager::Impl::count_prefix_hits(const std::int32_t* tokens, std::int64_t n,
+                                                   std::uint64_t extra, std::int64_t* from_lru,
+                                                   std::vector<PrefixCache::Link>* chain,
                                                    std::vector<std::int32_t>* blocks) const {
   *from_lru = 0;
   if (!cache.enabled() || tokens == nullptr || n <= 0) return 0;
@@ -147,7 +152,8 @@ std::int64_t BlockManager::Impl::count_prefix_hits(const std::int32_t* tokens, s
 
 void BlockManager::Impl::register_full_blocks(Seq& s) {
   if (!cache.enabled()) return;
-  const std::int64_t full = std::min<std::int64_t>(s.num_computed / bs, static_cast<std::int64_t>(s.blocks.size()));
+  const std::int64_t full =
+      std::min<std::int64_t>(s.num_computed / bs, static_cast<std::int64_t>(s.blocks.size()));
   while (static_cast<std::int64_t>(s.chain.size()) < full) {
     const std::size_t j = s.chain.size();
     const Hash128 prev_hash = j ? s.chain[j - 1].hash : PrefixCache::root().hash;
@@ -189,9 +195,9 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
   const std::int64_t avail = d.pool.num_available() - from_lru;
   if (need > avail - d.watermark_blocks)
     fail<OutOfBlocks>("add_sequence: sequence id ", seq_id, " (", n, " tokens) needs ", need, " new block(s)",
-                      hits ? " after a prefix-cache hit of " : "", hits ? std::to_string(hits) : std::string(),
-                      hits ? " block(s)" : "", "; ", avail, " available, ", d.watermark_blocks,
-                      " kept free by the watermark");
+                      hits ? " after a prefix-cache hit of " : "",
+                      hits ? std::to_string(hits) : std::string(), hits ? " block(s)" : "", "; ", avail,
+                      " available, ", d.watermark_blocks, " kept free by the watermark");
 
   // Memory first (may throw bad_alloc), then the pool.
   const std::int32_t idx = d.new_slot_index();
@@ -226,7 +232,8 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
   return hits * d.bs;
 }
 
-void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out) {
+void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::int64_t n,
+                                     std::int64_t* slots_out) {
   if (n <= 0) return;
   const auto len = static_cast<std::int64_t>(s.tokens.size());
   if (len % bs != 0) {
@@ -243,7 +250,8 @@ void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::in
     const std::int64_t pos = len + i;
     const std::int64_t off = pos % bs;
     if (off == 0) s.blocks.push_back(take_block());
-    if (slots_out) slots_out[i] = static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(pos / bs)]) * bs + off;
+    if (slots_out)
+      slots_out[i] = static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(pos / bs)]) * bs + off;
   }
 }
 
@@ -252,7 +260,8 @@ void BlockManager::append_tokens(std::int64_t seq_id, const std::int32_t* tokens
   Impl& d = *impl_;
   if (n < 0) fail<InvalidArgument>("append_tokens: negative token count ", n);
   Impl::Seq& s = d.live_gpu_seq(seq_id, "append_tokens");
-  host_out::check_disjoint("append_tokens", {host_out::byte_range(slots_out, n, sizeof(std::int64_t), "slots_out")},
+  host_out::check_disjoint("append_tokens",
+                           {host_out::byte_range(slots_out, n, sizeof(std::int64_t), "slots_out")},
                            {host_out::byte_range(tokens, n, sizeof(std::int32_t), "tokens")});
   const std::int64_t need = d.append_demand(s, n);
   if (need > d.pool.num_available())
@@ -264,8 +273,8 @@ void BlockManager::append_tokens(std::int64_t seq_id, const std::int32_t* tokens
   d.append_into(s, tokens, n, slots_out);
 }
 
-void BlockManager::append_tokens_batch(const std::int64_t* seq_ids, std::int64_t n, const std::int32_t* tokens,
-                                       std::int64_t* slots_out) {
+void BlockManager::append_tokens_batch(const std::int64_t* seq_ids, std::int64_t n,
+                                       const std::int32_t* tokens, std::int64_t* slots_out) {
   Impl& d = *impl_;
   d.resolve_batch(seq_ids, n, "append_tokens_batch", false);
   host_out::check_disjoint("append_tokens_batch",
@@ -287,7 +296,8 @@ void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   const std::int32_t pidx = d.lookup(parent_id, "fork");
   {
     const Impl::Seq& p = d.seq_at(pidx);
-    if (p.swapped) fail<InvalidArgument>("fork: parent sequence id ", parent_id, " is swapped out; swap_in() it first");
+    if (p.swapped)
+      fail<InvalidArgument>("fork: parent sequence id ", parent_id, " is swapped out; swap_in() it first");
     if (d.find(child_id) >= 0) fail<InvalidArgument>("fork: child sequence id ", child_id, " already exists");
     if (p.num_computed != static_cast<std::int64_t>(p.tokens.size()))
       fail<InvalidArgument>("fork: parent sequence id ", parent_id, " has ",
@@ -345,11 +355,15 @@ void BlockManager::free(std::int64_t seq_id) {
 // ---------------------------------------------------------------------------------------
 std::int64_t BlockManager::num_free_blocks() const { return impl_->pool.num_free(); }
 std::int64_t BlockManager::num_cached_blocks() const { return impl_->pool.num_evictable(); }
-std::int64_t BlockManager::num_used_blocks() const { return impl_->pool.size() - impl_->pool.num_available(); }
+std::int64_t BlockManager::num_used_blocks() const {
+  return impl_->pool.size() - impl_->pool.num_available();
+}
 std::int64_t BlockManager::num_available_blocks() const { return impl_->pool.num_available(); }
 std::int64_t BlockManager::num_free_cpu_blocks() const { return impl_->cpu_pool.num_free(); }
 std::int64_t BlockManager::num_sequences() const { return impl_->num_live; }
-std::int64_t BlockManager::num_pending_copies() const { return static_cast<std::int64_t>(impl_->copies.size()); }
+std::int64_t BlockManager::num_pending_copies() const {
+  return static_cast<std::int64_t>(impl_->copies.size());
+}
 bool BlockManager::has_sequence(std::int64_t seq_id) const { return impl_->find(seq_id) >= 0; }
 const PrefixCacheStats& BlockManager::prefix_cache_stats() const { return impl_->stats; }
 void BlockManager::reset_prefix_cache_stats() { impl_->stats = PrefixCacheStats{}; }

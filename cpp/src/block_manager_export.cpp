@@ -35,30 +35,37 @@ void BlockManager::export_seq_lens(const std::int64_t* seq_ids, std::int64_t n, 
   const char* what = "export_seq_lens";
   d.resolve_batch(seq_ids, n, what, false);
   check_int32(out, what, "seq_lens", 1);
-  if (out.shape[0] != n) fail<InvalidArgument>(what, ": seq_lens must have shape [", n, "], got ", out.shape_str());
-  check_disjoint(what, {byte_range(&out, what, "seq_lens")}, {byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids")});
+  if (out.shape[0] != n)
+    fail<InvalidArgument>(what, ": seq_lens must have shape [", n, "], got ", out.shape_str());
+  check_disjoint(what, {byte_range(&out, what, "seq_lens")},
+                 {byte_range(seq_ids, n, sizeof(std::int64_t), "seq_ids")});
   for (std::int64_t i = 0; i < n; ++i)
-    at32(out, i) = static_cast<std::int32_t>(d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]).tokens.size());
+    at32(out, i) =
+        static_cast<std::int32_t>(d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]).tokens.size());
 }
 
 std::int64_t BlockManager::count_blocks(const std::int64_t* seq_ids, std::int64_t n) const {
   const Impl& d = *impl_;
   d.resolve_batch(seq_ids, n, "count_blocks", false);
   std::int64_t total = 0;
-  for (const std::int32_t idx : d.scratch_idx) total += static_cast<std::int64_t>(d.seq_at(idx).blocks.size());
+  for (const std::int32_t idx : d.scratch_idx)
+    total += static_cast<std::int64_t>(d.seq_at(idx).blocks.size());
   return total;
 }
 
 void BlockManager::export_csr(const std::int64_t* seq_ids, std::int64_t n, const TensorView& indptr,
-                              const TensorView& indices, const TensorView& last_page_len, std::int32_t pad) const {
+                              const TensorView& indices, const TensorView& last_page_len,
+                              std::int32_t pad) const {
   const Impl& d = *impl_;
   const char* what = "export_csr";
   const std::int64_t nnz = count_blocks(seq_ids, n);  // resolves d.scratch_idx
   check_int32(indptr, what, "indptr", 1);
   check_int32(indices, what, "indices", 1);
   check_int32(last_page_len, what, "last_page_len", 1);
-  if (indptr.shape[0] != n + 1) fail<InvalidArgument>(what, ": indptr must have shape [", n + 1, "], got ", indptr.shape_str());
-  if (indices.shape[0] != nnz) fail<InvalidArgument>(what, ": indices must have shape [", nnz, "], got ", indices.shape_str());
+  if (indptr.shape[0] != n + 1)
+    fail<InvalidArgument>(what, ": indptr must have shape [", n + 1, "], got ", indptr.shape_str());
+  if (indices.shape[0] != nnz)
+    fail<InvalidArgument>(what, ": indices must have shape [", nnz, "], got ", indices.shape_str());
   if (last_page_len.shape[0] != n)
     fail<InvalidArgument>(what, ": last_page_len must have shape [", n, "], got ", last_page_len.shape_str());
   check_disjoint(what,
@@ -76,12 +83,14 @@ void BlockManager::export_csr(const std::int64_t* seq_ids, std::int64_t n, const
   }
 }
 
-void BlockManager::slots(std::int64_t seq_id, std::int64_t start, std::int64_t stop, std::int64_t* out) const {
+void BlockManager::slots(std::int64_t seq_id, std::int64_t start, std::int64_t stop,
+                         std::int64_t* out) const {
   const Impl& d = *impl_;
   const Impl::Seq& s = d.live_gpu_seq(seq_id, "slots");
   const auto len = static_cast<std::int64_t>(s.tokens.size());
   if (start < 0 || stop < start || stop > len)
-    fail<OutOfRange>("slots: token range [", start, ", ", stop, ") is outside sequence id ", seq_id, " of length ", len);
+    fail<OutOfRange>("slots: token range [", start, ", ", stop, ") is outside sequence id ", seq_id,
+                     " of length ", len);
   for (std::int64_t pos = start; pos < stop; ++pos) {
     const std::int32_t b = s.blocks[static_cast<std::size_t>(pos / d.bs)];
     out[pos - start] = b < 0 ? -1 : static_cast<std::int64_t>(b) * d.bs + pos % d.bs;

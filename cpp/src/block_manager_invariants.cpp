@@ -11,7 +11,9 @@ namespace pagedattn {
 
 void BlockManager::check_invariants() const {
   const Impl& d = *impl_;
-  auto bad = [](auto&&... parts) { throw std::logic_error(detail::concat("BlockManager invariant: ", parts...)); };
+  auto bad = [](auto&&... parts) {
+    throw std::logic_error(detail::concat("BlockManager invariant: ", parts...));
+  };
   const auto nb = static_cast<std::size_t>(d.opt.num_blocks);
   const auto nc = static_cast<std::size_t>(d.opt.num_cpu_blocks);
   const bool caching = d.cache.enabled();
@@ -46,7 +48,8 @@ void BlockManager::check_invariants() const {
       for (std::int64_t pos = s.num_computed; pos < len; ++pos) {
         const std::int32_t b = s.blocks[static_cast<std::size_t>(pos / d.bs)];
         if (d.pool.ref(b) != 1)
-          bad("sequence ", s.id, " token ", pos, " would be written into block ", b, " with ", d.pool.ref(b), " holders");
+          bad("sequence ", s.id, " token ", pos, " would be written into block ", b, " with ", d.pool.ref(b),
+              " holders");
       }
   }
   if (live != d.num_live || d.seq_map.size() != d.num_live) bad("live sequence count mismatch");
@@ -72,7 +75,8 @@ void BlockManager::check_invariants() const {
     for (std::int32_t b = d.pool.lru_first(); b != d.pool.lru_end(); b = d.pool.lru_after(b)) {
       const auto bi = static_cast<std::size_t>(b);
       if (seen[bi]++) bad("block ", b, " in the LRU set twice or also free");
-      if (d.pool.ref(b) != 0 || !d.cache.is_registered(b)) bad("LRU block ", b, " is in use or not registered");
+      if (d.pool.ref(b) != 0 || !d.cache.is_registered(b))
+        bad("LRU block ", b, " is in use or not registered");
       ++lru;
     }
     // Prefix nodes: each registered block is attached to an indexed live node that names it,
@@ -86,7 +90,8 @@ void BlockManager::check_invariants() const {
       const PrefixCache::Node n = d.cache.node_of(bb);
       if (n < 0 || static_cast<std::size_t>(n) >= nn) bad("registered block ", b, " has no prefix node");
       const PrefixCache::NodeView v = d.cache.node(n);
-      if (!v.live || !v.indexed || v.block != bb) bad("registered block ", b, " and its prefix node ", n, " disagree");
+      if (!v.live || !v.indexed || v.block != bb)
+        bad("registered block ", b, " and its prefix node ", n, " disagree");
     }
     if (registered != d.cache.num_registered())
       bad("prefix cache counts ", d.cache.num_registered(), " registered blocks, ", registered, " found");
@@ -109,7 +114,8 @@ void BlockManager::check_invariants() const {
     }
     for (std::size_t n = 0; n < nn; ++n) {
       const PrefixCache::NodeView v = d.cache.node(static_cast<PrefixCache::Node>(n));
-      if (v.live && v.refs != refs[n]) bad("prefix node ", n, " has ref count ", v.refs, " but ", refs[n], " referrers");
+      if (v.live && v.refs != refs[n])
+        bad("prefix node ", n, " has ref count ", v.refs, " but ", refs[n], " referrers");
       if (v.live && v.refs == 0) bad("prefix node ", n, " is live with no referrer");
     }
   }

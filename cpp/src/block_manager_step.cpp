@@ -55,14 +55,15 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   check_vec(out.context_lens, what, "context_lens", n, false);
   check_vec(out.query_start_loc, what, "query_start_loc", n + 1, false);
   check_vec(out.slot_mapping, what, "slot_mapping", shape.num_tokens, true);
-  check_disjoint(what,
-                 {byte_range(out.block_tables, what, "block_tables"), byte_range(out.seq_lens, what, "seq_lens"),
-                  byte_range(out.context_lens, what, "context_lens"),
-                  byte_range(out.query_start_loc, what, "query_start_loc"),
-                  byte_range(out.slot_mapping, what, "slot_mapping")},
-                 {byte_range(req.seq_ids, n, sizeof(std::int64_t), "seq_ids"),
-                  byte_range(req.new_tokens, n, sizeof(std::int32_t), "token_ids"),
-                  byte_range(req.query_lens, n, sizeof(std::int64_t), "query_lens")});
+  check_disjoint(
+      what,
+      {byte_range(out.block_tables, what, "block_tables"), byte_range(out.seq_lens, what, "seq_lens"),
+       byte_range(out.context_lens, what, "context_lens"),
+       byte_range(out.query_start_loc, what, "query_start_loc"),
+       byte_range(out.slot_mapping, what, "slot_mapping")},
+      {byte_range(req.seq_ids, n, sizeof(std::int64_t), "seq_ids"),
+       byte_range(req.new_tokens, n, sizeof(std::int32_t), "token_ids"),
+       byte_range(req.query_lens, n, sizeof(std::int64_t), "query_lens")});
   if (out.slot_mapping && out.slot_mapping->dtype == DType::kInt32 &&
       d.opt.num_blocks * bs > std::numeric_limits<std::int32_t>::max())
     fail<InvalidArgument>(what, ": slot_mapping must be int64: slots reach ", d.opt.num_blocks * bs);

@@ -14,7 +14,8 @@ void check_no_pending(std::int64_t pending, const char* what) {
 
 void BlockManager::swap_out(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs) {
   Impl& d = *impl_;
-  if (d.opt.num_cpu_blocks == 0) fail<InvalidArgument>("swap_out: this manager has no CPU pool (num_cpu_blocks=0)");
+  if (d.opt.num_cpu_blocks == 0)
+    fail<InvalidArgument>("swap_out: this manager has no CPU pool (num_cpu_blocks=0)");
   check_no_pending(num_pending_copies(), "swap_out");
   d.resolve_batch(seq_ids, n, "swap_out", false);
   const std::int64_t need = d.distinct_blocks_of_scratch();
@@ -52,7 +53,8 @@ void BlockManager::swap_out(const std::int64_t* seq_ids, std::int64_t n, BlockPa
 
 void BlockManager::swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs) {
   Impl& d = *impl_;
-  if (d.opt.num_cpu_blocks == 0) fail<InvalidArgument>("swap_in: this manager has no CPU pool (num_cpu_blocks=0)");
+  if (d.opt.num_cpu_blocks == 0)
+    fail<InvalidArgument>("swap_in: this manager has no CPU pool (num_cpu_blocks=0)");
   check_no_pending(num_pending_copies(), "swap_in");
   d.resolve_batch(seq_ids, n, "swap_in", true);
   const std::int64_t need = d.distinct_blocks_of_scratch();

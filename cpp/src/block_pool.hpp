@@ -54,8 +54,8 @@ class BlockPool {
     if (ref_[idx(b)] == 0) lru_remove(b);
     ++ref_[idx(b)];
   }
-  void add_ref(std::int32_t b) { ++ref_[idx(b)]; }         // b is held
-  void drop_shared_ref(std::int32_t b) { --ref_[idx(b)]; }  // b has ref > 1
+  void add_ref(std::int32_t b) { ++ref_[idx(b)]; }                    // b is held
+  void drop_shared_ref(std::int32_t b) { --ref_[idx(b)]; }            // b has ref > 1
   void set_ref(std::int32_t b, std::int32_t r) { ref_[idx(b)] = r; }  // b was just taken
   // A block lost its prefix-cache registration: if it was evictable it is now free.
   void unregistered(std::int32_t b) {

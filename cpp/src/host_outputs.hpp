@@ -23,12 +23,15 @@ inline void check_host(const TensorView& t, const char* what, const char* name) 
 // An int32 array with ndim dimensions (shapes are checked by the caller).
 inline void check_int32(const TensorView& t, const char* what, const char* name, int ndim) {
   check_host(t, what, name);
-  if (t.dtype != DType::kInt32) fail<TypeMismatch>(what, ": ", name, " must be int32, got ", dtype_name(t.dtype));
-  if (t.ndim != ndim) fail<InvalidArgument>(what, ": ", name, " must have ", ndim, " dimension(s), got ", t.shape_str());
+  if (t.dtype != DType::kInt32)
+    fail<TypeMismatch>(what, ": ", name, " must be int32, got ", dtype_name(t.dtype));
+  if (t.ndim != ndim)
+    fail<InvalidArgument>(what, ": ", name, " must have ", ndim, " dimension(s), got ", t.shape_str());
 }
 
 // An int32 (or, with allow_int64, int64) vector [len]; null = not requested.
-inline void check_vec(const TensorView* t, const char* what, const char* name, std::int64_t len, bool allow_int64) {
+inline void check_vec(const TensorView* t, const char* what, const char* name, std::int64_t len,
+                      bool allow_int64) {
   if (!t) return;
   check_host(*t, what, name);
   const bool ok = t->dtype == DType::kInt32 || (allow_int64 && t->dtype == DType::kInt64);
@@ -100,10 +103,12 @@ inline ByteRange byte_range(const TensorView* t, const char* what, const char* n
   for (int d = 0; d < t->ndim && ok; ++d) {
     const auto i = static_cast<std::size_t>(d);
     std::int64_t span = 0;
-    ok = mul_ok(t->shape[i] - 1, t->strides[i], &span) && add_ok(span < 0 ? lo : hi, span, span < 0 ? &lo : &hi);
+    ok = mul_ok(t->shape[i] - 1, t->strides[i], &span) &&
+         add_ok(span < 0 ? lo : hi, span, span < 0 ? &lo : &hi);
   }
   ok = ok && mul_ok(lo, es, &lo) && mul_ok(hi, es, &hi) && add_ok(hi, es, &hi);
-  if (!ok) fail<InvalidArgument>(what, ": ", name, " with shape ", t->shape_str(), " spans more than 2^63 bytes");
+  if (!ok)
+    fail<InvalidArgument>(what, ": ", name, " with shape ", t->shape_str(), " spans more than 2^63 bytes");
   const auto base = reinterpret_cast<std::uintptr_t>(t->data);
   return ByteRange{base + static_cast<std::uintptr_t>(lo), base + static_cast<std::uintptr_t>(hi), name};
 }
@@ -128,7 +133,9 @@ inline void check_disjoint(const char* what, std::initializer_list<ByteRange> ou
   }
 }
 
-inline std::int32_t& at32(const TensorView& t, std::int64_t i) { return t.ptr<std::int32_t>()[i * t.strides[0]]; }
+inline std::int32_t& at32(const TensorView& t, std::int64_t i) {
+  return t.ptr<std::int32_t>()[i * t.strides[0]];
+}
 
 // Writes a slot into an int64 or int32 vector.
 inline void put_slot(const TensorView& t, std::int64_t i, std::int64_t v) {

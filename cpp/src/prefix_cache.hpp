@@ -53,14 +53,17 @@ class PrefixCache {
   // Chain hash of one block of block_size tokens after the block hashed `prev`.
   Hash128 hash(const Hash128& prev, std::uint64_t extra, const std::int32_t* tokens) const;
 
-  bool is_registered(std::int32_t b) const { return enabled_ && block_node_[static_cast<std::size_t>(b)] >= 0; }
+  bool is_registered(std::int32_t b) const {
+    return enabled_ && block_node_[static_cast<std::size_t>(b)] >= 0;
+  }
   Node node_of(std::int32_t b) const { return block_node_[static_cast<std::size_t>(b)]; }  // b registered
   std::int64_t num_registered() const { return num_registered_; }
 
   // Walks the first max_blocks blocks of `tokens` and calls on_hit(block, hash, node) for
   // each block of the longest exactly matching cached prefix. Returns the number of blocks matched.
   template <class OnHit>
-  std::int64_t match(const std::int32_t* tokens, std::int64_t max_blocks, std::uint64_t extra, OnHit&& on_hit) const {
+  std::int64_t match(const std::int32_t* tokens, std::int64_t max_blocks, std::uint64_t extra,
+                     OnHit&& on_hit) const {
     Hash128 prev_hash = root().hash;
     Node prev = kRoot;
     std::int64_t k = 0;
@@ -94,7 +97,7 @@ class PrefixCache {
   // For the invariant checker.
   struct NodeView {
     bool live;
-    bool indexed;       // the hash index finds this node
+    bool indexed;  // the hash index finds this node
     Node parent;
     std::int32_t block;  // registered block, or -1
     std::int32_t refs;
@@ -113,7 +116,7 @@ class PrefixCache {
     std::int32_t block = -1;  // the registered block holding this prefix, or -1
     std::int32_t refs = 0;    // registered block + child nodes + sequence links
     bool live = false;
-    bool indexed = false;     // map_ holds hash.lo -> this node
+    bool indexed = false;  // map_ holds hash.lo -> this node
   };
   bool same(Node n, const Hash128& h, Node parent, std::uint64_t extra, const std::int32_t* tokens) const {
     const NodeRec& r = nodes_[static_cast<std::size_t>(n)];

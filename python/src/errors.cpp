@@ -1,8 +1,9 @@
 // The one translation of library exceptions (pagedattn/errors.hpp) into Python exceptions.
+#include "pagedattn/errors.hpp"
+
 #include <nanobind/nanobind.h>
 
 #include "bindings.hpp"
-#include "pagedattn/errors.hpp"
 
 namespace pagedattn::py {
 

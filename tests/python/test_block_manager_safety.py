@@ -55,7 +55,7 @@ def _hash4(prev: tuple[int, int], extra: int, t: list[int]) -> tuple[int, int]:
 
 def _colliding_blocks(prev: tuple[int, int], extra: int = 0) -> tuple[list[int], list[int]]:
     a, b = _lanes(prev, extra)
-    first = _halves(_K4 ^ b) + _halves(_K2)   # second word cancels lane a, first word lane b
+    first = _halves(_K4 ^ b) + _halves(_K2)  # second word cancels lane a, first word lane b
     second = _halves(_K1 ^ a) + _halves(_K5)  # second word cancels lane b, first word lane a
     return first, second
 
@@ -168,14 +168,22 @@ PAD_OK = {2**31 - 1: "ok", -1: "ok", -(2**31): "ok", **SCALAR_ERRORS}
 CALLS = {
     "BlockManager(num_blocks)": (lambda m, v: BlockManager(v, 4), {2**31 - 1: "skip", **SCALAR_ERRORS}, ValueError),
     "BlockManager(block_size)": (lambda m, v: BlockManager(4, v), SCALAR_ERRORS, ValueError),
-    "BlockManager(num_cpu_blocks)": (lambda m, v: BlockManager(4, 4, num_cpu_blocks=v),
-                                     {2**31 - 1: "skip", **SCALAR_ERRORS}, ValueError),
-    "BlockManager(sliding_window)": (lambda m, v: BlockManager(4, 4, sliding_window=v),
-                                     {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS}, ValueError),
+    "BlockManager(num_cpu_blocks)": (
+        lambda m, v: BlockManager(4, 4, num_cpu_blocks=v),
+        {2**31 - 1: "skip", **SCALAR_ERRORS},
+        ValueError,
+    ),
+    "BlockManager(sliding_window)": (
+        lambda m, v: BlockManager(4, 4, sliding_window=v),
+        {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS},
+        ValueError,
+    ),
     "add_sequence(seq_id)": (lambda m, v: (m.add_sequence(v, [1]), m.free(v)), SCALAR_ERRORS, "ok"),
-    "add_sequence(extra_key)": (lambda m, v: (m.add_sequence(2, [1], extra_key=v), m.free(2)),
-                                {2**31 - 1: "ok", 2**63 - 1: "ok", 2**63: "ok", -(2**63) - 1: TypeError,
-                                 2**64: TypeError}, TypeError),
+    "add_sequence(extra_key)": (
+        lambda m, v: (m.add_sequence(2, [1], extra_key=v), m.free(2)),
+        {2**31 - 1: "ok", 2**63 - 1: "ok", 2**63: "ok", -(2**63) - 1: TypeError, 2**64: TypeError},
+        TypeError,
+    ),
     "append_tokens(seq_id)": (lambda m, v: m.append_tokens(v, [1]), SCALAR_ERRORS, KeyError),
     "append_tokens_batch(seq_ids)": (lambda m, v: m.append_tokens_batch([v], [1]), LIST_ERRORS, KeyError),
     "fork(parent_id)": (lambda m, v: m.fork(v, 2), SCALAR_ERRORS, KeyError),
@@ -209,10 +217,16 @@ CALLS = {
     "ref_count": (lambda m, v: m.ref_count(v), SCALAR_ERRORS, IndexError),
     "cpu_ref_count": (lambda m, v: m.cpu_ref_count(v), SCALAR_ERRORS, IndexError),
     "is_cached": (lambda m, v: m.is_cached(v), SCALAR_ERRORS, IndexError),
-    "can_append(num_tokens)": (lambda m, v: m.can_append(1, v), {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS},
-                               ValueError),
-    "can_allocate(num_tokens)": (lambda m, v: m.can_allocate(v), {2**31 - 1: "ok", 2**63 - 1: "ok",
-                                 **{u: ValueError for u in OUTSIDE_INT64}}, ValueError),  # fmt: skip
+    "can_append(num_tokens)": (
+        lambda m, v: m.can_append(1, v),
+        {2**31 - 1: "ok", 2**63 - 1: "ok", **SCALAR_ERRORS},
+        ValueError,
+    ),
+    "can_allocate(num_tokens)": (
+        lambda m, v: m.can_allocate(v),
+        {2**31 - 1: "ok", 2**63 - 1: "ok", **{u: ValueError for u in OUTSIDE_INT64}},
+        ValueError,
+    ),  # fmt: skip
 }
 
 
