@@ -95,7 +95,7 @@ class DecodeTask {
     s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
     if (L_ > 0) {
       load_query();
-      const int num_blocks = (L_ + B_ - 1) / B_;
+      const int num_blocks = L_ / B_ + (L_ % B_ != 0);  // L_ + B_ - 1 overflows int near 2^31
       const int chunk = std::max(1, kChunkTokens / B_);
       lstride_ = std::min(num_blocks, chunk) * B_;
       s_.logits.resize(static_cast<std::size_t>(G_) * static_cast<std::size_t>(lstride_));

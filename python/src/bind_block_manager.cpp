@@ -34,12 +34,21 @@ struct IntArg {
   nb::ndarray<nb::ro> keep;
 };
 
-// Export widths are int32 block-table columns; refuse absurd widths before allocating.
-void check_max_blocks(std::int64_t max_blocks, const char* what) {
-  constexpr std::int64_t kLimit = std::numeric_limits<std::int32_t>::max();
-  if (max_blocks > kLimit)
-    fail<InvalidArgument>(what, ": max_blocks = ", max_blocks, " is larger than ", kLimit,
-                          " (block-table widths are int32)");
+// The width of a new block table: the widest table in the batch, or max_blocks, which may
+// pad up to the pool size (or the widest table, when that is wider: released sliding-window
+// entries count). Checked before anything is allocated, so an extreme max_blocks is a
+// ValueError, never an allocation of gigabytes.
+std::int64_t table_width(const BlockManager& m, std::int64_t widest, std::optional<std::int64_t> max_blocks,
+                         const char* what) {
+  if (!max_blocks) return widest;
+  if (*max_blocks < widest)
+    fail<InvalidArgument>(what, ": max_blocks = ", *max_blocks, " is smaller than the widest block table (",
+                          widest, ")");
+  const std::int64_t limit = std::max(widest, m.num_blocks());
+  if (*max_blocks > limit)
+    fail<InvalidArgument>(what, ": max_blocks = ", *max_blocks, " is larger than ", limit,
+                          " (the pool's num_blocks, or the widest block table when wider)");
+  return *max_blocks;
 }
 
 template <class T>
@@ -249,14 +258,7 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
     req.query_lens = qlens.ptr;
   }
   const StepShape shape = m.plan_step(req);
-  std::int64_t width = shape.max_blocks;
-  if (max_blocks) {
-    if (*max_blocks < shape.max_blocks)
-      fail<InvalidArgument>("step: max_blocks = ", *max_blocks, " is smaller than the widest block table (",
-                            shape.max_blocks, ")");
-    check_max_blocks(*max_blocks, "step");
-    width = *max_blocks;
-  }
+  const std::int64_t width = table_width(m, shape.max_blocks, max_blocks, "step");
   const auto n = static_cast<std::size_t>(shape.num_seqs);
   Out bt = out_arg<std::int32_t>(block_tables, {n, static_cast<std::size_t>(width)}, DType::kInt32);
   Out sl = out_arg<std::int32_t>(seq_lens, {n}, DType::kInt32);
@@ -297,18 +299,6 @@ std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id)
 }  // namespace
 
 void bind_block_manager(nb::module_& m) {
-  static nb::exception<OutOfBlocks> out_of_blocks(m, "OutOfBlocksError", PyExc_RuntimeError);
-  out_of_blocks.attr("__doc__") =
-      "Raised when the block pool (or the CPU pool, or the watermark) cannot serve a request.\n"
-      "The manager is left exactly as it was before the call.";
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const UnknownSequence& e) {
-      PyErr_SetString(PyExc_KeyError, e.what());
-    }
-  });
-
   nb::class_<StepMetadata>(m, "StepMetadata",
                            "Everything a forward pass needs for one step (see BlockManager.step).\n\n"
                            "Arrays: block_tables int32 [S, M] (padded), seq_lens int32 [S] (context + query),\n"
@@ -337,8 +327,10 @@ void bind_block_manager(nb::module_& m) {
       "optional automatic prefix caching with LRU eviction, swapping to a CPU pool, sliding-window\n"
       "release, and fast export of block tables / slot mappings for a batch of sequences.\n\n"
       "Errors: unknown sequence id (also a double free) -> KeyError; duplicate id, a sequence in the\n"
-      "wrong state, bad lengths -> ValueError; non-integer token ids -> TypeError; not enough blocks ->\n"
-      "OutOfBlocksError. A call that raises leaves the manager unchanged. Not thread-safe: calls hold\n"
+      "wrong state, bad lengths, an output array sharing memory with an input or another output ->\n"
+      "ValueError; non-integer token ids -> TypeError; not enough blocks -> OutOfBlocksError. A call\n"
+      "that raises leaves the manager unchanged. Prefix-cache hits are exact (token ids, any int32,\n"
+      "are compared along the whole prefix; a hash collision can never give a hit). Not thread-safe: calls hold\n"
       "the GIL, so Python threads are serialized; do not share one manager across free-threaded code.")
       .def(
           "__init__",
@@ -440,8 +432,10 @@ void bind_block_manager(nb::module_& m) {
            "One scheduler step for a batch. token_ids (one per sequence) are appended first (a decode\n"
            "step); then query_lens[i] tokens of each sequence (default: all not yet computed) are\n"
            "scheduled and marked computed. Returns a StepMetadata. Output arrays may be passed in\n"
-           "(any writable host DLPack array of the right dtype/shape; block_tables may be wider);\n"
-           "the rest are new NumPy arrays. Pending copy-on-write pairs are drained into copy_pairs.")
+           "(any writable host DLPack array of the right dtype/shape; block_tables may be wider; none\n"
+           "may share memory with an input or another output); the rest are new NumPy arrays.\n"
+           "max_blocks pads the new block table up to the pool size (or the widest table). Pending\n"
+           "copy-on-write pairs are drained into copy_pairs.")
       .def(
           "take_copy_pairs",
           [](BlockManager& b) {
@@ -475,14 +469,25 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "can_allocate",
           [](const BlockManager& b, nb::handle tokens_or_count, std::uint64_t extra_key) {
-            if (PyLong_Check(tokens_or_count.ptr()))
-              return b.can_allocate(nullptr, nb::cast<std::int64_t>(tokens_or_count), extra_key);
+            if (PyLong_Check(tokens_or_count.ptr())) {
+              int overflow = 0;
+              const long long n = PyLong_AsLongLongAndOverflow(tokens_or_count.ptr(), &overflow);
+              if (overflow != 0 || (n == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                fail<InvalidArgument>("can_allocate: num_tokens = ", nb::str(tokens_or_count).c_str(),
+                                      " is outside the int64 range");
+              }
+              return b.can_allocate(nullptr, n, extra_key);
+            }
             const auto t = int_arg<std::int32_t>(tokens_or_count, "can_allocate", "token_ids");
             return b.can_allocate(t.ptr, t.size, extra_key);
           },
           "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
-          "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count).")
-      .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1)
+          "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count,\n"
+          "exact up to 2**63 - 1; negative -> ValueError).")
+      .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1,
+           "Whether appending num_tokens tokens would succeed now (exact up to 2**63 - 1; negative ->\n"
+           "ValueError; False while swapped out).")
       .def(
           "can_append_batch",
           [](const BlockManager& b, nb::handle seq_ids) {
@@ -514,13 +519,7 @@ void bind_block_manager(nb::module_& m) {
             if (out.is_none()) {
               for (std::int64_t i = 0; i < ids.size; ++i)
                 width = std::max<std::int64_t>(width, b.blocks_for(b.seq_len(ids.ptr[i])));
-              if (max_blocks) {
-                if (*max_blocks < width)
-                  fail<InvalidArgument>("block_tables: max_blocks = ", *max_blocks,
-                                        " is smaller than the widest block table (", width, ")");
-                check_max_blocks(*max_blocks, "block_tables");
-                width = *max_blocks;
-              }
+              width = table_width(b, width, max_blocks, "block_tables");
             }
             Out o = out_arg<std::int32_t>(out, {static_cast<std::size_t>(ids.size), static_cast<std::size_t>(width)},
                                           DType::kInt32);
@@ -528,7 +527,8 @@ void bind_block_manager(nb::module_& m) {
             return o.obj;
           },
           "seq_ids"_a, nb::kw_only(), "out"_a = nb::none(), "max_blocks"_a = nb::none(), "pad"_a = 0,
-          "Block tables int32 [S, M], padded with pad (M = widest table, or max_blocks, or out's width).")
+          "Block tables int32 [S, M], padded with pad (M = widest table, or max_blocks up to the pool\n"
+          "size, or out's width; out may not share memory with seq_ids).")
       .def(
           "seq_lens",
           [](const BlockManager& b, nb::handle seq_ids, const nb::object& out) {

@@ -11,23 +11,7 @@ NB_MODULE(_core, m) {
   m.attr("__version__") = pagedattn::kVersion;
   m.attr("with_cuda") = pagedattn::built_with_cuda();
 
-  // C++ exception types -> Python exception types (see errors.hpp).
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const pagedattn::TypeMismatch& e) {
-      PyErr_SetString(PyExc_TypeError, e.what());
-    } catch (const pagedattn::OutOfRange& e) {
-      PyErr_SetString(PyExc_IndexError, e.what());
-    } catch (const pagedattn::NotSupported& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const pagedattn::InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const pagedattn::CudaError& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    }
-  });
-
+  pagedattn::py::bind_errors(m);  // C++ exception types -> Python exception types (errors.cpp)
   pagedattn::py::bind_attention(m);
   pagedattn::py::bind_block_manager(m);
   pagedattn::py::bind_cache_ops(m);

@@ -2,6 +2,7 @@
 // eviction, swapping, sliding window, step export and the strong exception guarantee.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -125,6 +126,70 @@ PA_TEST(watermark_applies_to_admission_only) {
   m.append_tokens(1, more.data(), 8, nullptr);  // appends may dip into the watermark
   PA_CHECK_EQ(m.num_free_blocks(), 0);
   m.check_invariants();
+}
+
+PA_TEST(capacity_queries_do_not_overflow) {
+  BlockManager m = make(16, 16);
+  add(m, 1, iota_tokens(3));
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (const std::int64_t n : {std::int64_t{2147483647}, kMax / 2, kMax - 1, kMax}) {
+    PA_CHECK(!m.can_allocate(nullptr, n));
+    PA_CHECK(!m.can_append(1, n));
+  }
+  PA_CHECK_EQ(m.blocks_for(kMax), kMax / 16 + 1);
+  PA_CHECK_EQ(m.blocks_for(0), 0);
+  PA_CHECK(m.can_append(1, 16 * 16 - 3) && !m.can_append(1, 16 * 16 - 2));
+  PA_CHECK_THROWS(m.can_allocate(nullptr, -1), InvalidArgument);
+  PA_CHECK_THROWS(m.can_append(1, std::numeric_limits<std::int64_t>::min()), InvalidArgument);
+  m.check_invariants();
+}
+
+PA_TEST(outputs_sharing_memory_with_inputs_are_refused) {
+  BlockManager m = make(64, 4);
+  add(m, 0, iota_tokens(10));
+  add(m, 1, iota_tokens(10));
+  const Snapshot before = snap(m);
+  std::vector<std::int64_t> buf(16, 0);
+  buf[0] = 1;
+  buf[1] = 2;
+  const std::int64_t ids[] = {0, 1};
+  StepRequest r;
+  r.seq_ids = ids;
+  r.num_seqs = 2;
+  r.query_lens = buf.data();  // [2], and slot_mapping [3] starts at the same address
+  auto v_sm = pagedattn::make_view(buf.data(), DType::kInt64, {3});
+  StepOutputs out;
+  out.slot_mapping = &v_sm;
+  PA_CHECK_THROWS(m.step(r, out), InvalidArgument);
+  std::vector<std::int32_t> lens(8, 0);
+  auto v_a = pagedattn::make_view(lens.data(), DType::kInt32, {2});
+  auto v_b = pagedattn::make_view(lens.data() + 1, DType::kInt32, {2});
+  StepOutputs both;
+  both.seq_lens = &v_a;
+  both.context_lens = &v_b;
+  r.query_lens = nullptr;
+  PA_CHECK_THROWS(m.step(r, both), InvalidArgument);
+  std::vector<std::int64_t> tok_and_slots(4, 0);  // tokens read as int32 from the slots' memory
+  PA_CHECK_THROWS(m.append_tokens(0, reinterpret_cast<const std::int32_t*>(tok_and_slots.data()), 2,
+                                  tok_and_slots.data()),
+                  InvalidArgument);
+  PA_CHECK(snap(m) == before);
+  m.check_invariants();
+}
+
+PA_TEST(copies_are_independent) {
+  BlockManager a = make(8, 4, true);
+  add(a, 1, iota_tokens(9));
+  compute_all(a, {1});
+  BlockManager b = a;  // a deep copy: changing one leaves the other as it was
+  b.free(1);
+  PA_CHECK(a.has_sequence(1) && !b.has_sequence(1));
+  PA_CHECK_EQ(add(b, 2, iota_tokens(9)), 8);  // b's prefix cache kept the registered blocks
+  PA_CHECK_EQ(a.num_sequences(), 1);
+  BlockManager c = std::move(b);
+  PA_CHECK(c.has_sequence(2));
+  a.check_invariants();
+  c.check_invariants();
 }
 
 PA_TEST(fork_copy_on_write) {

@@ -23,18 +23,25 @@
 //   exactly one sequence.
 //
 // Prefix caching (optional)
-//   Once all tokens of a full block are computed, the block is registered under a chained
-//   128-bit hash of (previous block's hash, the block's token ids, the sequence's extra
-//   key). add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
-//   blocks, so at least one prompt token is always left to compute). A hit is accepted
-//   only when the stored token ids and extra key are equal and the stored 128-bit chain
-//   hash of the previous block matches, so a false hit needs a 128-bit collision between
-//   two different prefixes (probability below N^2 / 2^129 for N cached blocks). When a
-//   block is registered under a hash that is already present, the newer block wins and
-//   the older one is unregistered. Blocks of freed sequences that are registered stay
+//   Once all tokens of a full block are computed, the block is registered in the prefix
+//   cache. add_sequence() reuses the longest registered prefix (at most (n-1)/block_size
+//   blocks, so at least one prompt token is always left to compute). A hit is exact: the
+//   cache keeps a tree of prefixes (each node: its parent prefix, the extra key, the
+//   block's exact token ids), a registered block is attached to the prefix it was computed
+//   after, and block i is reused only when its node's parent is the node reused at i - 1
+//   and its tokens and extra key equal the prompt's. A chained 128-bit hash only finds
+//   candidates, so a hash collision (constructed or accidental) can cost a hit but never
+//   give a false one. Token ids are any int32 values (negative ones included).
+//   When a block is registered for a prefix that already has a block, the newer block wins
+//   and the older one is unregistered. Blocks of freed sequences that are registered stay
 //   reusable in an LRU set and are evicted only when a block is needed and the free list
 //   is empty; a sequence's blocks enter the LRU set last block first, so a prefix
 //   outlives its tails.
+//
+// Caller arrays
+//   Every call that writes into caller memory (step, the exports, append_tokens*) refuses,
+//   with InvalidArgument naming both arrays, an output that shares memory with one of the
+//   call's inputs or with another output.
 //
 // Capacity and failures
 //   Allocation takes from the free list, then evicts the least recently used cached block.
@@ -66,8 +73,7 @@
 #pragma once
 
 #include <cstdint>
-#include <stdexcept>
-#include <string>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -75,15 +81,6 @@
 #include "pagedattn/tensor.hpp"
 
 namespace pagedattn {
-
-// Not enough blocks (GPU pool, CPU pool, or the watermark) for a request. Python: OutOfBlocksError.
-struct OutOfBlocks : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-// A sequence id that the manager does not hold (never added, or already freed). Python: KeyError.
-struct UnknownSequence : std::out_of_range {
-  using std::out_of_range::out_of_range;
-};
 
 struct BlockManagerOptions {
   std::int64_t num_blocks = 0;        // GPU pool size, in blocks (at most 2^31 - 1)
@@ -118,7 +115,8 @@ struct StepShape {
   std::int64_t max_query_len = 0;
 };
 
-// Where step() writes. Any output may be null (not written). Host memory, any strides.
+// Where step() writes. Any output may be null (not written). Host memory, any strides. No
+// output may share memory with the request's arrays or with another output (InvalidArgument).
 struct StepOutputs {
   const TensorView* block_tables = nullptr;     // int32 [S, M], M >= StepShape::max_blocks; padded with pad
   const TensorView* seq_lens = nullptr;         // int32 [S]   context + query length
@@ -132,13 +130,19 @@ class BlockManager {
  public:
   using BlockPairs = std::vector<std::pair<std::int32_t, std::int32_t>>;
 
+  // Throws InvalidArgument for options outside their documented ranges.
   explicit BlockManager(const BlockManagerOptions& options);
+  BlockManager(const BlockManager& other);  // an independent copy of the whole state
+  BlockManager& operator=(const BlockManager& other);
+  BlockManager(BlockManager&&) noexcept;
+  BlockManager& operator=(BlockManager&&) noexcept;
+  ~BlockManager();  // a moved-from manager may only be destroyed or assigned to
 
-  const BlockManagerOptions& options() const { return opt_; }
-  std::int64_t block_size() const { return bs_; }
-  std::int64_t num_blocks() const { return opt_.num_blocks; }
-  std::int64_t num_cpu_blocks() const { return opt_.num_cpu_blocks; }
-  std::int64_t watermark_blocks() const { return watermark_blocks_; }
+  const BlockManagerOptions& options() const;
+  std::int64_t block_size() const;
+  std::int64_t num_blocks() const;
+  std::int64_t num_cpu_blocks() const;
+  std::int64_t watermark_blocks() const;
 
   // ---- sequences ---------------------------------------------------------------------
   // Adds a sequence with its prompt tokens [n] and allocates all of its blocks. Returns the
@@ -167,7 +171,7 @@ class BlockManager {
   StepShape step(const StepRequest& req, const StepOutputs& out);
   // Moves the pending copy-on-write (src, dst) pairs into `pairs` (appended) and clears them.
   void take_copy_pairs(BlockPairs& pairs);
-  std::int64_t num_pending_copies() const { return static_cast<std::int64_t>(copies_.size()); }
+  std::int64_t num_pending_copies() const;
 
   // ---- preemption --------------------------------------------------------------------
   // Moves the sequences to the CPU pool; appends (gpu_block, cpu_block) pairs to `pairs`.
@@ -176,16 +180,17 @@ class BlockManager {
   void swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPairs& pairs);
 
   // ---- capacity ----------------------------------------------------------------------
-  // Whether add_sequence() would succeed for these tokens (tokens may be null: no cache hits counted).
+  // Exact for every count up to 2^63 - 1 (no overflow); a negative count throws InvalidArgument.
+  // Whether add_sequence() would succeed for n tokens (tokens may be null: no cache hits counted).
   bool can_allocate(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
-  // Whether appending num_tokens tokens to the sequence would succeed.
+  // Whether appending num_tokens tokens to the sequence would succeed (false while swapped out).
   bool can_append(std::int64_t seq_id, std::int64_t num_tokens = 1) const;
   // Whether a step appending one token to each of the (distinct) sequences would succeed.
   bool can_append_batch(const std::int64_t* seq_ids, std::int64_t n) const;
   bool can_swap_out(const std::int64_t* seq_ids, std::int64_t n) const;
   bool can_swap_in(const std::int64_t* seq_ids, std::int64_t n) const;
-  // Blocks a sequence of n tokens occupies.
-  std::int64_t blocks_for(std::int64_t n) const { return (n + bs_ - 1) / bs_; }
+  // Blocks a sequence of n >= 0 tokens occupies (0 for n <= 0).
+  std::int64_t blocks_for(std::int64_t n) const;
 
   // ---- export ------------------------------------------------------------------------
   // Writes the block tables of the sequences into int32 [S, M] (M >= their widest table),
@@ -204,13 +209,13 @@ class BlockManager {
   void slots(std::int64_t seq_id, std::int64_t start, std::int64_t stop, std::int64_t* out) const;
 
   // ---- introspection -----------------------------------------------------------------
-  std::int64_t num_free_blocks() const { return static_cast<std::int64_t>(free_.size()); }
-  std::int64_t num_cached_blocks() const { return lru_size_; }  // evictable: registered, held by none
-  std::int64_t num_used_blocks() const { return opt_.num_blocks - num_free_blocks() - lru_size_; }
-  std::int64_t num_available_blocks() const { return num_free_blocks() + lru_size_; }
-  std::int64_t num_free_cpu_blocks() const { return static_cast<std::int64_t>(cpu_free_.size()); }
-  std::int64_t num_sequences() const { return num_live_; }
-  bool has_sequence(std::int64_t seq_id) const { return find(seq_id) >= 0; }
+  std::int64_t num_free_blocks() const;
+  std::int64_t num_cached_blocks() const;  // evictable: registered, held by none
+  std::int64_t num_used_blocks() const;
+  std::int64_t num_available_blocks() const;  // free + evictable
+  std::int64_t num_free_cpu_blocks() const;
+  std::int64_t num_sequences() const;
+  bool has_sequence(std::int64_t seq_id) const;
   std::vector<std::int64_t> sequence_ids() const;  // in insertion-slot order
   const std::vector<std::int32_t>& block_table(std::int64_t seq_id) const;  // -1 = released
   const std::vector<std::int32_t>& token_ids(std::int64_t seq_id) const;
@@ -220,110 +225,16 @@ class BlockManager {
   std::int32_t ref_count(std::int64_t block) const;      // GPU block
   std::int32_t cpu_ref_count(std::int64_t block) const;  // CPU block
   bool is_cached(std::int64_t block) const;  // registered in the prefix cache (in use or evictable)
-  const PrefixCacheStats& prefix_cache_stats() const { return stats_; }
-  void reset_prefix_cache_stats() { stats_ = PrefixCacheStats{}; }
+  const PrefixCacheStats& prefix_cache_stats() const;
+  void reset_prefix_cache_stats();
   // Checks every internal invariant (reference counts against tables, free/LRU/map
-  // consistency, slot uniqueness); throws std::logic_error on the first violation. O(pool + tokens).
+  // consistency, prefix-node reference counts, exclusive ownership of every block still
+  // receiving slots); throws std::logic_error on the first violation. O(pool + tokens).
   void check_invariants() const;
 
  private:
-  struct Hash128 {
-    std::uint64_t lo = 0, hi = 0;
-    bool operator==(const Hash128& o) const { return lo == o.lo && hi == o.hi; }
-  };
-  struct Seq {
-    std::int64_t id = 0;
-    bool live = false;
-    bool swapped = false;
-    std::int64_t num_computed = 0;
-    std::uint64_t extra_key = 0;
-    std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
-    std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
-    std::vector<std::int32_t> tokens;
-    std::vector<Hash128> hashes;        // chain hashes of blocks [0, hashes.size()) (caching only)
-  };
-  // Open-addressing map int64 -> int32 (linear probing, backward-shift deletion).
-  class IdMap {
-   public:
-    std::int32_t find(std::uint64_t key) const;
-    void insert(std::uint64_t key, std::int32_t value);  // key must be absent
-    void erase(std::uint64_t key);                       // key must be present
-    std::int64_t size() const { return size_; }
-
-   private:
-    void grow();
-    std::vector<std::uint64_t> keys_;
-    std::vector<std::int32_t> vals_;  // -1 = empty
-    std::int64_t size_ = 0;
-    std::uint64_t mask_ = 0;
-  };
-
-  std::int32_t find(std::int64_t seq_id) const;
-  std::int32_t lookup(std::int64_t seq_id, const char* what) const;  // throws UnknownSequence
-  Seq& live_gpu_seq(std::int64_t seq_id, const char* what);
-  const Seq& live_gpu_seq(std::int64_t seq_id, const char* what) const;
-  void resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what, bool want_swapped) const;
-  std::int32_t new_slot_index();
-  std::int32_t take_block();
-  void release_block(std::int32_t b);
-  void lru_push_back(std::int32_t b);
-  void lru_remove(std::int32_t b);
-  void uncache(std::int32_t b);
-  void register_full_blocks(Seq& s);
-  void release_window(Seq& s, std::int64_t first_query_pos);
-  std::int64_t append_demand(const Seq& s, std::int64_t n) const;
-  void append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out);
-  std::int64_t count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
-                                 std::int64_t* from_lru, std::vector<Hash128>* hashes,
-                                 std::vector<std::int32_t>* blocks) const;
-  std::int64_t batch_append_demand() const;  // over scratch_idx_, one token each
-  std::int64_t distinct_blocks_of_scratch(bool cpu) const;
-  // Starts a new marking round over block_stamp_ (clearing it when the counter wraps).
-  void next_block_stamp() const;
-  Hash128 hash_block(const Hash128& prev, std::uint64_t extra, const std::int32_t* tokens) const;
-  std::int32_t find_cached(const Hash128& h) const;
-  bool verify_cached(std::int32_t b, const Hash128& prev, std::uint64_t extra,
-                     const std::int32_t* tokens) const;
-
-  BlockManagerOptions opt_;
-  std::int64_t bs_ = 16;
-  std::int64_t watermark_blocks_ = 0;
-  bool caching_ = false;
-
-  // GPU pool.
-  std::vector<std::int32_t> ref_;
-  std::vector<std::int32_t> free_;  // stack; back() is taken next
-  // Prefix cache (sized only when caching is on).
-  std::vector<std::uint8_t> cached_;
-  std::vector<Hash128> bhash_;
-  std::vector<Hash128> bparent_;  // chain hash of the previous block when registered
-  std::vector<std::uint64_t> bextra_;
-  std::vector<std::int32_t> btokens_;  // [num_blocks * block_size]
-  std::vector<std::int32_t> lru_prev_, lru_next_;  // intrusive list; index num_blocks = sentinel
-  std::int64_t lru_size_ = 0;
-  IdMap cache_map_;  // hash.lo -> block (collisions on lo resolved by newest-wins + full verify)
-  PrefixCacheStats stats_;
-
-  // CPU pool.
-  std::vector<std::int32_t> cpu_ref_;
-  std::vector<std::int32_t> cpu_free_;
-
-  // Sequences.
-  std::vector<Seq> seqs_;
-  std::vector<std::int32_t> free_seq_slots_;
-  IdMap seq_map_;
-  std::int64_t num_live_ = 0;
-
-  BlockPairs copies_;  // pending copy-on-write pairs
-
-  // Scratch (no allocation in steady state).
-  mutable std::vector<std::int32_t> scratch_idx_;
-  mutable std::vector<std::uint32_t> seq_stamp_;  // per seq slot, for duplicate detection
-  mutable std::uint32_t stamp_ = 0;
-  mutable std::uint32_t bstamp_ = 0;
-  mutable std::vector<std::int32_t> block_mark_;  // per GPU/CPU block, for swap dedupe / demand
-  mutable std::vector<std::uint32_t> block_stamp_;
-  mutable std::vector<std::int32_t> touched_;
+  struct Impl;  // cpp/src/block_manager_impl.hpp
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace pagedattn

@@ -1,13 +1,17 @@
-// Exception types thrown by the pagedattn core.
+// Exception types thrown by the pagedattn library: every one it defines is declared here.
 //
-// Every error the library raises derives from one of the standard exception
-// classes, so C++ callers can catch either the precise type or the std base.
-// The Python bindings map them to Python exceptions:
-//   InvalidArgument -> ValueError      (bad shape, value, layout, option)
-//   TypeMismatch    -> TypeError       (wrong dtype or device kind)
-//   OutOfRange      -> IndexError      (a block id, slot or length outside its range)
-//   NotSupported    -> ValueError      (a valid request this build cannot serve)
-//   CudaError       -> RuntimeError    (a CUDA runtime call failed)
+// Each derives from a standard exception class, so C++ callers can catch either the
+// precise type or the std base. The Python bindings translate them in one place
+// (python/src/errors.cpp):
+//   InvalidArgument -> ValueError        (bad shape, value, layout, option)
+//   TypeMismatch    -> TypeError         (wrong dtype or device kind)
+//   OutOfRange      -> IndexError        (a block id, slot or length outside its range)
+//   NotSupported    -> ValueError        (a valid request this build cannot serve)
+//   CudaError       -> RuntimeError      (a CUDA runtime call failed)
+//   OutOfBlocks     -> OutOfBlocksError  (a RuntimeError: the block manager's pool cannot serve a request)
+//   UnknownSequence -> KeyError          (a sequence id the block manager does not hold)
+// A broken block-manager invariant (BlockManager::check_invariants) is a std::logic_error
+// (RuntimeError): it is a bug in the library, not an input error.
 #pragma once
 
 #include <sstream>
@@ -31,6 +35,15 @@ struct NotSupported : std::invalid_argument {
 };
 struct CudaError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+// Not enough blocks (GPU pool, CPU pool, or the watermark) for a block-manager request;
+// the manager is unchanged.
+struct OutOfBlocks : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A sequence id that the block manager does not hold (never added, or already freed).
+struct UnknownSequence : std::out_of_range {
+  using std::out_of_range::out_of_range;
 };
 
 namespace detail {

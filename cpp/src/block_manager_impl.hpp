@@ -1,0 +1,101 @@
+// The block manager's private state (BlockManager::Impl) and the helpers its parts share.
+//
+// Where each part lives:
+//   block_manager.cpp             construction, the sequence lifecycle (add, append, fork, free), queries
+//   block_manager_step.cpp        plan_step / step: the scheduler step and its metadata, sliding window
+//   block_manager_capacity.cpp    block demand of a request and the can_* queries
+//   block_manager_swap.cpp        swap_out / swap_in planning
+//   block_manager_export.cpp      block tables, sequence lengths, CSR page tables, slots
+//   block_manager_invariants.cpp  check_invariants
+//   block_pool.hpp                reference counts, free list, LRU of evictable cached blocks
+//   prefix_cache.hpp              block hash, prefix-node tree, registry and exact prefix lookup
+//   id_map.hpp                    the int64 -> int32 hash map (sequence ids, block hashes)
+//   host_outputs.hpp              checks and writes of caller-provided output arrays
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "block_pool.hpp"
+#include "id_map.hpp"
+#include "pagedattn/block_manager.hpp"
+#include "prefix_cache.hpp"
+
+namespace pagedattn {
+
+struct BlockManager::Impl {
+  struct Seq {
+    std::int64_t id = 0;
+    bool live = false;
+    bool swapped = false;
+    std::int64_t num_computed = 0;
+    std::uint64_t extra_key = 0;
+    std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
+    std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
+    std::vector<std::int32_t> tokens;
+    std::vector<PrefixCache::Link> chain;  // prefix nodes of blocks [0, chain.size()) (caching only; held)
+  };
+
+  explicit Impl(const BlockManagerOptions& options);  // options already validated
+
+  // ---- sequences (block_manager.cpp)
+  // Overflow-free for every int64 n (n + bs - 1 would wrap near 2^63).
+  std::int64_t blocks_for(std::int64_t n) const { return n <= 0 ? 0 : n / bs + (n % bs != 0); }
+  std::int32_t find(std::int64_t seq_id) const { return seq_map.find(static_cast<std::uint64_t>(seq_id)); }
+  std::int32_t lookup(std::int64_t seq_id, const char* what) const;  // throws UnknownSequence
+  Seq& seq_at(std::int32_t idx) { return seqs[static_cast<std::size_t>(idx)]; }
+  const Seq& seq_at(std::int32_t idx) const { return seqs[static_cast<std::size_t>(idx)]; }
+  const Seq& live_gpu_seq(std::int64_t seq_id, const char* what) const;  // throws if unknown or swapped
+  Seq& live_gpu_seq(std::int64_t seq_id, const char* what) {
+    return const_cast<Seq&>(static_cast<const Impl*>(this)->live_gpu_seq(seq_id, what));
+  }
+  // Resolves a batch of distinct ids into scratch_idx (all swapped out, or none).
+  void resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what, bool want_swapped) const;
+  std::int32_t new_slot_index();
+  std::int32_t take_block();
+  void release_block(std::int32_t b) { pool.release(b, cache.is_registered(b)); }
+  void append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out);
+  // Blocks of the longest cached prefix of a prompt (at most (n-1)/block_size); *from_lru
+  // counts those that are evictable now. chain / blocks (may be null) receive the matches.
+  std::int64_t count_prefix_hits(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra,
+                                 std::int64_t* from_lru, std::vector<PrefixCache::Link>* chain,
+                                 std::vector<std::int32_t>* blocks) const;
+  void register_full_blocks(Seq& s);
+  void release_chain(Seq& s);  // drops the sequence's references on its prefix nodes
+
+  // ---- steps (block_manager_step.cpp)
+  void release_window(Seq& s, std::int64_t first_query_pos);
+
+  // ---- demand (block_manager_capacity.cpp)
+  std::int64_t append_demand(const Seq& s, std::int64_t n) const;
+  std::int64_t batch_append_demand() const;  // over scratch_idx, one token each
+  std::int64_t distinct_blocks_of_scratch() const;
+  // Starts a new marking round over block_stamp (clearing it when the counter wraps).
+  void next_block_stamp() const;
+
+  BlockManagerOptions opt;
+  std::int64_t bs = 16;
+  std::int64_t watermark_blocks = 0;
+
+  BlockPool pool;      // GPU
+  BlockPool cpu_pool;  // swap space
+  PrefixCache cache;
+  PrefixCacheStats stats;
+
+  std::vector<Seq> seqs;
+  std::vector<std::int32_t> free_seq_slots;
+  IdMap seq_map;  // seq id -> index into seqs
+  std::int64_t num_live = 0;
+
+  BlockPairs copies;  // pending copy-on-write pairs
+
+  // Scratch (no allocation in steady state).
+  mutable std::vector<std::int32_t> scratch_idx;
+  mutable std::vector<std::uint32_t> seq_stamp;  // per seq slot, for duplicate detection
+  mutable std::uint32_t stamp = 0;
+  mutable std::uint32_t bstamp = 0;
+  mutable std::vector<std::int32_t> block_mark;  // per GPU/CPU block, for swap dedupe / demand
+  mutable std::vector<std::uint32_t> block_stamp;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,111 @@
+// BlockManager: the scheduler step (plan_step / step) that appends decode tokens, schedules
+// query ranges, writes the step's metadata and releases blocks that left the sliding window.
+#include <algorithm>
+#include <limits>
+
+#include "block_manager_impl.hpp"
+#include "host_outputs.hpp"
+
+namespace pagedattn {
+
+void BlockManager::Impl::release_window(Seq& s, std::int64_t first_query_pos) {
+  if (opt.sliding_window <= 0) return;
+  const std::int64_t limit = first_query_pos - opt.sliding_window + 1;  // oldest key position still needed
+  if (limit <= 0) return;
+  const std::int64_t end = std::min<std::int64_t>(limit / bs, static_cast<std::int64_t>(s.blocks.size()));
+  for (std::int64_t j = s.first_live_block; j < end; ++j) {
+    std::int32_t& b = s.blocks[static_cast<std::size_t>(j)];
+    if (b >= 0) release_block(b);
+    b = -1;
+  }
+  s.first_live_block = std::max(s.first_live_block, end);
+}
+
+StepShape BlockManager::plan_step(const StepRequest& req) const {
+  const Impl& d = *impl_;
+  d.resolve_batch(req.seq_ids, req.num_seqs, "step", false);
+  StepShape shape;
+  shape.num_seqs = req.num_seqs;
+  const std::int64_t add = req.new_tokens ? 1 : 0;
+  for (std::int64_t i = 0; i < req.num_seqs; ++i) {
+    const Impl::Seq& s = d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]);
+    const std::int64_t len = static_cast<std::int64_t>(s.tokens.size()) + add;
+    const std::int64_t pending = len - s.num_computed;
+    const std::int64_t q = req.query_lens ? req.query_lens[i] : pending;
+    if (q < 0 || q > pending)
+      fail<InvalidArgument>("step: query_lens[", i, "] = ", q, " for sequence id ", s.id, " is outside [0, ",
+                            pending, "] (tokens not yet computed)");
+    shape.num_tokens += q;
+    shape.max_blocks = std::max(shape.max_blocks, d.blocks_for(len));
+    shape.max_seq_len = std::max(shape.max_seq_len, s.num_computed + q);
+    shape.max_query_len = std::max(shape.max_query_len, q);
+  }
+  return shape;
+}
+
+StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
+  using namespace host_out;
+  Impl& d = *impl_;
+  const StepShape shape = plan_step(req);  // resolves d.scratch_idx
+  const char* what = "step";
+  const std::int64_t n = req.num_seqs;
+  const std::int64_t bs = d.bs;
+  check_table(out.block_tables, what, n, shape.max_blocks);
+  check_vec(out.seq_lens, what, "seq_lens", n, false);
+  check_vec(out.context_lens, what, "context_lens", n, false);
+  check_vec(out.query_start_loc, what, "query_start_loc", n + 1, false);
+  check_vec(out.slot_mapping, what, "slot_mapping", shape.num_tokens, true);
+  check_disjoint(
+      what,
+      {byte_range(out.block_tables, what, "block_tables"), byte_range(out.seq_lens, what, "seq_lens"),
+       byte_range(out.context_lens, what, "context_lens"),
+       byte_range(out.query_start_loc, what, "query_start_loc"),
+       byte_range(out.slot_mapping, what, "slot_mapping")},
+      {byte_range(req.seq_ids, n, sizeof(std::int64_t), "seq_ids"),
+       byte_range(req.new_tokens, n, sizeof(std::int32_t), "token_ids"),
+       byte_range(req.query_lens, n, sizeof(std::int64_t), "query_lens")});
+  if (out.slot_mapping && out.slot_mapping->dtype == DType::kInt32 &&
+      d.opt.num_blocks * bs > std::numeric_limits<std::int32_t>::max())
+    fail<InvalidArgument>(what, ": slot_mapping must be int64: slots reach ", d.opt.num_blocks * bs);
+  if (req.new_tokens) {
+    const std::int64_t need = d.batch_append_demand();
+    if (need > d.pool.num_available())
+      fail<OutOfBlocks>("step: appending one token to each of ", n, " sequence(s) needs ", need,
+                        " new block(s); ", d.pool.num_available(), " available");
+    d.copies.reserve(d.copies.size() + static_cast<std::size_t>(n));
+  }
+
+  // Nothing below can fail.
+  std::int64_t t = 0;  // tokens scheduled so far
+  if (out.query_start_loc) at32(*out.query_start_loc, 0) = 0;
+  if (req.new_tokens)  // all allocations first, then the schedule (which may register blocks)
+    for (std::int64_t i = 0; i < n; ++i)
+      d.append_into(d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]), req.new_tokens + i, 1, nullptr);
+  for (std::int64_t i = 0; i < n; ++i) {
+    Impl::Seq& s = d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]);
+    const auto len = static_cast<std::int64_t>(s.tokens.size());
+    const std::int64_t ctx = s.num_computed;
+    const std::int64_t q = req.query_lens ? req.query_lens[i] : len - ctx;
+    d.release_window(s, ctx);
+    if (out.slot_mapping) {
+      for (std::int64_t pos = ctx; pos < ctx + q; ++pos)
+        put_slot(*out.slot_mapping, t + pos - ctx,
+                 static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(pos / bs)]) * bs + pos % bs);
+    }
+    t += q;
+    if (out.query_start_loc) at32(*out.query_start_loc, i + 1) = static_cast<std::int32_t>(t);
+    if (out.block_tables) write_row(*out.block_tables, i, s.blocks, out.pad);
+    if (out.seq_lens) at32(*out.seq_lens, i) = static_cast<std::int32_t>(ctx + q);
+    if (out.context_lens) at32(*out.context_lens, i) = static_cast<std::int32_t>(ctx);
+    s.num_computed = ctx + q;
+    d.register_full_blocks(s);
+  }
+  return shape;
+}
+
+void BlockManager::take_copy_pairs(BlockPairs& pairs) {
+  pairs.insert(pairs.end(), impl_->copies.begin(), impl_->copies.end());
+  impl_->copies.clear();
+}
+
+}  // namespace pagedattn
