@@ -64,7 +64,7 @@ tags = sys.argv[2:]
 t = collections.defaultdict(lambda: collections.defaultdict(list))
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) >= 4 and f[-1] == "us" and f[0][:-1] in tags:
+    if len(f) >= 4 and f[1] != "host:" and f[-1] == "us" and f[0][:-1] in tags:
         t[" ".join(f[1:-2])][f[0][:-1]].append(float(f[-2]))
 print(f"{'shape':22s} " + " ".join(f"{x:>9s}" for x in tags) + "   " + " ".join(f"{x}/{tags[0]}" for x in tags[1:]))
 for k, v in t.items():
@@ -73,10 +73,10 @@ for k, v in t.items():
 PY
 fi
 if has host; then  # host cost per call: the same script with each build in turn, on one machine
-  cp "$REPO/python/pagedattn/bench/host_cost.py" /tmp/ab_host_cost.py
+  # host_ab.py takes only keywords both builds know, so any two builds compare.
   for round in $(seq "${PA_HOST_ROUNDS:-3}"); do
     for b in base new; do
-      PYTHONPATH=/tmp/ab-$b timeout 120 python3 /tmp/ab_host_cost.py | sed "s/^/$b$round  /" >> "$S"
+      PYTHONPATH=/tmp/ab-$b timeout 120 python3 "$REPO/benchmarks/host_ab.py" "$b$round" >> "$S" 2>&1
     done
   done
   python3 - "$S" <<'PY' | tee -a "$S"
@@ -84,8 +84,8 @@ import collections, statistics, sys
 t = collections.defaultdict(lambda: collections.defaultdict(list))
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) > 3 and f[-1] == "us/call" and f[0][:-1] in ("base", "new"):
-        t[" ".join(f[1:-2])][f[0][:-1]].append(float(f[-2]))
+    if len(f) > 4 and f[1] == "host:" and f[-1] == "us" and f[0][:-1] in ("base", "new"):
+        t[" ".join(f[2:-2])][f[0][:-1]].append(float(f[-2]))
 print(f"{'host cost (median over rounds, us)':60s} {'base':>7s} {'new':>7s}")
 for k, v in t.items():
     print(f"{k:60s} {statistics.median(v['base']):7.2f} {statistics.median(v['new']):7.2f}")
