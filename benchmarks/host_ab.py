@@ -77,7 +77,9 @@ def main():
     tiny["seq_lens"][:] = 0  # no work: conversion and checks only
     args_n = tuple(tiny.values())
     out_n = np.empty_like(tiny["query"])
-    rows["numpy eager out=, zero-length seqs"] = median_us(lambda: pagedattn.paged_attention(*args_n, out=out_n), a.calls)
+    rows["numpy eager out=, zero-length seqs"] = median_us(
+        lambda: pagedattn.paged_attention(*args_n, out=out_n), a.calls
+    )
     rows["numpy eager new output, zero-length seqs"] = median_us(lambda: pagedattn.paged_attention(*args_n), a.calls)
     rows["torch launch for scale (out.zero_())"] = median_us(out_t.zero_, a.calls, busy)
     torch.cuda.synchronize()
