@@ -35,9 +35,31 @@ def _mapping(block_mapping: Any, like: Any) -> Any:
     return np.ascontiguousarray(arr)
 
 
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "__dlpack__") or isinstance(a, np.ndarray)
+
+
+def _layers(caches: Any, name: str) -> list:
+    """A sequence of cache arrays as a list; a single cache array is one layer."""
+    if _is_array(caches):
+        return [caches]
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+        raise TypeError(f"{name}: expected a cache array or a sequence of them, got {type(caches).__name__}")
+    return list(caches)
+
+
+def _one_array(a: Any, name: str) -> Any:
+    if not _is_array(a):
+        raise TypeError(
+            f"{name}: expected one cache array (any DLPack producer), got {type(a).__name__}; "
+            "swap_blocks moves the blocks of one cache: call it once per layer and per key / value cache"
+        )
+    return a
+
+
 def copy_blocks(
-    key_caches: Sequence[Any],
-    value_caches: Sequence[Any],
+    key_caches: Sequence[Any] | Any,
+    value_caches: Sequence[Any] | Any,
     block_mapping: Any,
     *,
     stream: Any = None,
@@ -45,14 +67,16 @@ def copy_blocks(
     """For every (src, dst) pair and every cache: ``cache[dst] = cache[src]``, in place.
 
     ``key_caches`` / ``value_caches``: lists of cache arrays [num_blocks, ...] on one
-    device (any layout; a block is the slice along the first dimension).
+    device (any layout; a block is the slice along the first dimension), one per
+    layer; a single array (not in a list) is one layer's cache, never a list of rows.
     ``block_mapping``: pairs [P, 2] (src, dst) as a list of pairs, or an int64/int32
-    array in host memory or on the caches' GPU. Destinations must not be sources of
-    other pairs. On CUDA all arrays and pairs are done in one kernel launch on
+    array in host memory or on the caches' GPU, never inside a cache. A destination
+    must not appear twice nor be the source of another pair (a host mapping breaking
+    this raises ValueError naming the pair). On CUDA all arrays and pairs are done in one kernel launch on
     ``stream`` (default: the arrays' framework's current stream, see
     :func:`pagedattn.paged_attention`).
     """
-    caches = [as_core(c)[0] for c in list(key_caches) + list(value_caches)]
+    caches = [as_core(c)[0] for c in _layers(key_caches, "key_caches") + _layers(value_caches, "value_caches")]
     if not caches:
         return
     mapping = _mapping(block_mapping, caches[0])
@@ -64,13 +88,15 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None) -
     """For every (s, d) pair: ``dst[d] = src[s]``: GPU <-> pinned host, or host <-> host.
 
     ``src`` and ``dst`` share dtype and block shape (all dimensions but the first).
-    ``block_mapping``: pairs [P, 2] in host memory (list of pairs or array). With a GPU
+    ``block_mapping``: pairs [P, 2] in host memory (list of pairs or array), never
+    inside ``src`` or ``dst``; a destination must not appear twice (nor, when ``src``
+    and ``dst`` share memory, be the source of another pair). With a GPU
     involved the copies are queued on ``stream`` (default: the GPU array's framework's
     current stream) and the call returns at once; use pinned host memory (e.g.
     ``torch.empty(..., pin_memory=True)``) for truly asynchronous copies.
     """
-    s, _ = as_core(src)
-    d, _ = as_core(dst)
+    s, _ = as_core(_one_array(src, "src"))
+    d, _ = as_core(_one_array(dst, "dst"))
     mapping = _mapping(block_mapping, src)
     gpu = src if is_cuda(src) else dst
     handle = resolve_stream(stream, gpu) if (stream is not None or is_cuda(gpu)) else 0

@@ -3,30 +3,63 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <string>
 #include <vector>
 
 #include "bindings.hpp"
 #include "ndarray.hpp"
 #include "pagedattn/cache_ops.hpp"
+#include "pagedattn/errors.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace pagedattn::py {
+namespace {
+
+std::string py_type_name(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+
+// An object the array caster may take: a DLPack producer or a buffer.
+bool is_array(nb::handle h) { return nb::hasattr(h, "__dlpack__") || PyObject_CheckBuffer(h.ptr()); }
+
+AnyMutArray cache_array(nb::handle h, const std::string& name) {
+  AnyMutArray a;
+  if (!is_array(h) || !nb::try_cast(h, a, /*convert=*/false))
+    throw nb::type_error(detail::concat(name, ": expected a writable array (any DLPack producer), got ", py_type_name(h))
+                             .c_str());
+  return a;
+}
+
+}  // namespace
 
 void bind_cache_ops(nb::module_& m) {
   m.def(
       "copy_blocks",
-      [](const std::vector<AnyMutArray>& caches, AnyArray block_mapping, std::uintptr_t stream) {
+      [](nb::handle caches, AnyArray block_mapping, std::uintptr_t stream) {
+        // One array is one cache (a single layer), never a sequence of its rows: an
+        // array is a Python sequence too, and iterating it would copy inside every row.
+        std::vector<AnyMutArray> arrays;
+        if (is_array(caches)) {
+          arrays.push_back(cache_array(caches, "caches"));
+        } else if (PySequence_Check(caches.ptr()) && !nb::isinstance<nb::str>(caches) &&
+                   !nb::isinstance<nb::bytes>(caches)) {
+          std::size_t i = 0;
+          for (nb::handle c : nb::iter(caches)) arrays.push_back(cache_array(c, detail::concat("caches[", i++, "]")));
+        } else {
+          throw nb::type_error(
+              detail::concat("caches: expected a cache array or a sequence of them, got ", py_type_name(caches))
+                  .c_str());
+        }
         std::vector<TensorView> views;
-        views.reserve(caches.size());
-        for (const auto& c : caches) views.push_back(to_view(c));
+        views.reserve(arrays.size());
+        for (const auto& c : arrays) views.push_back(to_view(c));
         const TensorView mv = to_view(block_mapping);
         nb::gil_scoped_release release;
         copy_blocks(views, mv, to_stream(stream));
       },
       "caches"_a, "block_mapping"_a.noconvert(), "stream"_a = 0,
-      "Low-level block copy (validated in C++). Use pagedattn.copy_blocks.");
+      "Low-level block copy (validated in C++). Use pagedattn.copy_blocks. `caches` is one cache array\n"
+      "or a sequence of them.");
 
   m.def(
       "swap_blocks",

@@ -67,6 +67,44 @@ def test_copy_blocks_errors(rng):
 
 
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_copy_blocks_single_arrays_are_one_layer(rng, layout):
+    """copy_blocks(key_cache, value_cache, pairs) with bare arrays copies whole blocks of
+    those two caches; an array is never taken for a list of per-layer caches."""
+    (k,), (v,) = layer_caches(rng, 1, layout=layout)
+    k0, v0 = k.copy(), v.copy()
+    pagedattn.copy_blocks(k, v, [(3, 5)])
+    ek, ev = k0.copy(), v0.copy()
+    ek[5], ev[5] = k0[3], v0[3]
+    assert np.array_equal(k, ek) and np.array_equal(v, ev)
+    # Mixed forms, and the compiled entry point itself.
+    (k2,), (v2,) = layer_caches(rng, 1, layout=layout)
+    k20 = k2.copy()
+    pagedattn.copy_blocks(k2, [v2], [(1, 0)])
+    assert np.array_equal(k2[0], k20[1]) and np.array_equal(k2[1:], k20[1:])
+    k3 = k0.copy()
+    pagedattn._core.copy_blocks(k3, np.array([[2, 6]], np.int64))
+    ek3 = k0.copy()
+    ek3[6] = k0[2]
+    assert np.array_equal(k3, ek3)
+
+
+def test_copy_and_swap_refuse_what_is_not_a_cache(rng):
+    (k,), (v,) = layer_caches(rng, 1)
+    with pytest.raises(TypeError, match="key_caches: expected a cache array or a sequence of them, got int"):
+        pagedattn.copy_blocks(5, [v], [(0, 1)])
+    with pytest.raises(TypeError, match=r"caches\[1\]: expected a writable array"):
+        pagedattn._core.copy_blocks([k, "v"], np.array([[0, 1]], np.int64))
+    with pytest.raises(TypeError, match="caches: expected a cache array or a sequence of them, got int"):
+        pagedattn._core.copy_blocks(3, np.array([[0, 1]], np.int64))
+    dst = np.zeros_like(k)
+    with pytest.raises(TypeError, match="src: expected one cache array .* got list; swap_blocks moves the blocks"):
+        pagedattn.swap_blocks([k], dst, [(0, 1)])
+    with pytest.raises(TypeError, match="dst: expected one cache array .* got tuple"):
+        pagedattn.swap_blocks(k, (dst,), [(0, 1)])
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
 def test_swap_blocks_host(rng, layout):
     keys, _ = layer_caches(rng, 1, num_blocks=8, layout=layout)
     src = keys[0]
