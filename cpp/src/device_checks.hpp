@@ -30,6 +30,12 @@ inline bool same_device(const TensorView& a, const TensorView& b) {
 // Defined in validate.cpp.
 void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
 
+// `written` (an array a call writes) must not share memory with `other`; with
+// allow_identical the very same view is accepted (InvalidArgument naming both).
+// Defined in validate.cpp: the overlap check of the decode and cache-write passes.
+void check_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
+                    const char* other_name, bool allow_identical = false);
+
 // The decode kernel choice: version in {0, 1, 2}, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.
 void check_decode_choice(int version, int partition_size);

@@ -296,6 +296,11 @@ void check_decode_choice(int version, int partition_size) {
   if (partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", partition_size);
 }
 
+void check_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
+                    const char* other_name, bool allow_identical) {
+  Written(written, written_name).disjoint_from(other, other_name, allow_identical);
+}
+
 }  // namespace detail
 
 DecodeParams make_decode_params(const TensorView& out, const TensorView& query, const TensorView& key_cache,

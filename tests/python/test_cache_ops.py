@@ -3,6 +3,8 @@ validation of their arguments."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,76 @@ def test_copy_and_swap_refuse_what_is_not_a_cache(rng):
     with pytest.raises(TypeError, match="dst: expected one cache array .* got tuple"):
         pagedattn.swap_blocks(k, (dst,), [(0, 1)])
     assert not dst.any()
+
+
+def mapping_inside(cache: np.ndarray, block: int, pairs) -> np.ndarray:
+    """An int64 [P, 2] view whose memory is block `block` of `cache`, holding `pairs`."""
+    flat = cache[block].reshape(-1).view(np.int64)
+    m = flat[: 2 * len(pairs)].reshape(len(pairs), 2)
+    m[:] = pairs
+    return m
+
+
+def test_copy_blocks_refuses_a_mapping_inside_a_cache(rng):
+    keys, values = layer_caches(rng, 2)
+    for where, cache in (("caches[1]", keys[1]), ("caches[3]", values[1])):
+        # The first pair would overwrite the mapping's own block before the second is read.
+        mapping = mapping_inside(cache, 4, [[0, 4], [2, 9]])
+        snap = [c.copy() for c in keys + values]
+        with pytest.raises(ValueError, match=rf"{re.escape(where)} overlaps block_mapping in memory"):
+            pagedattn.copy_blocks(keys, values, mapping)
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(snap, keys + values))
+
+
+def test_swap_blocks_refuses_a_mapping_inside_src_or_dst_and_overlapping_arrays(rng):
+    src = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    dst = np.zeros((6, 4, 8), np.float32)
+    inside_dst = mapping_inside(dst, 1, [[0, 1], [2, 3]])
+    inside_src = mapping_inside(src, 5, [[0, 1]])
+    snap_src, snap_dst = src.copy(), dst.copy()
+    with pytest.raises(ValueError, match="dst overlaps block_mapping"):
+        pagedattn.swap_blocks(src, dst, inside_dst)
+    with pytest.raises(ValueError, match="src overlaps block_mapping"):
+        pagedattn.swap_blocks(src, dst, inside_src)
+    assert np.array_equal(dst, snap_dst) and np.array_equal(src, snap_src)
+    whole = rng.standard_normal((8, 4, 8)).astype(np.float32)
+    before = whole.copy()
+    with pytest.raises(ValueError, match="dst overlaps src in memory"):
+        pagedattn.swap_blocks(whole[0:6], whole[2:8], [(0, 0)])
+    assert np.array_equal(whole, before)
+
+
+def test_copy_blocks_refuses_repeated_and_chained_destinations(rng):
+    keys, values = layer_caches(rng, 2)
+    snap = [c.copy() for c in keys + values]
+    with pytest.raises(ValueError, match=r"block_mapping\[2\]: destination block 5 is also the destination of pair 0"):
+        pagedattn.copy_blocks(keys, values, [(0, 5), (1, 6), (2, 5)])
+    with pytest.raises(ValueError, match=r"block_mapping\[0\]: destination block 5 is also the source of pair 1"):
+        pagedattn.copy_blocks(keys, values, [(0, 5), (5, 7)])
+    with pytest.raises(ValueError, match=r"block_mapping\[1\]: destination block 3 is also the source of pair 0"):
+        pagedattn.copy_blocks(keys, values, np.array([(3, 8), (1, 3)], np.int32))
+    assert all(np.array_equal(a, b) for a, b in zip(snap, keys + values)), "a refused call changed a cache"
+    # A pair (b, b) is a no-op: other pairs may read b.
+    pagedattn.copy_blocks(keys, values, [(2, 2), (2, 4)])
+    assert np.array_equal(keys[0][4], snap[0][2]) and np.array_equal(keys[0][2], snap[0][2])
+
+
+def test_swap_blocks_destinations(rng):
+    src = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    dst = np.zeros((6, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"block_mapping\[1\]: destination block 1 is also the destination of pair 0"):
+        pagedattn.swap_blocks(src, dst, [(0, 1), (2, 1)])
+    assert not dst.any()
+    # Separate arrays: a destination index may equal a source index.
+    pagedattn.swap_blocks(src, dst, [(0, 1), (1, 0)])
+    assert np.array_equal(dst[1], src[0]) and np.array_equal(dst[0], src[1])
+    # The same array as src and dst: no chains.
+    same = src.copy()
+    with pytest.raises(ValueError, match=r"block_mapping\[0\]: destination block 1 is also the source of pair 1"):
+        pagedattn.swap_blocks(same, same, [(0, 1), (1, 2)])
+    assert np.array_equal(same, src)
+    pagedattn.swap_blocks(same, same, [(0, 4), (1, 5)])
+    assert np.array_equal(same[4], src[0]) and np.array_equal(same[5], src[1])
 
 
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
