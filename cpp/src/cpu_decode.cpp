@@ -21,6 +21,7 @@
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
 #include "cpu_simd.hpp"
+#include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn::cpu {
@@ -49,6 +50,7 @@ struct Scratch {
   std::vector<float> raw;     // one block of one head as float32, in cache order (D * B)
   std::vector<float> chunked;  // float32 vllm keys re-chunked to [D/8][B][8]
   std::vector<float> acc;     // [G, D] (nhd, scalar) or [G, D, 8] lanes (vllm vector path)
+  std::vector<std::int32_t> blocks;  // this sequence's block ids, read once and checked
 };
 
 Scratch& scratch() {
@@ -76,7 +78,7 @@ class DecodeTask {
         G_(p.num_heads / p.num_kv_heads),
         D_(p.head_size),
         B_(p.block_size),
-        L_(p.seq_lens[seq]),
+        L_(read_seq_len(p, seq)),
         seq_(seq),
         kv_head_(kv_head),
         h0_(kv_head * G_),
@@ -87,15 +89,15 @@ class DecodeTask {
                 p.layout == CacheLayout::kVLLM),
         vec_k_(D_ % W == 0),
         vec_v_(D_ % W == 0 && (p.layout == CacheLayout::kNHD || B_ % W == 0)),
-        table_(p.block_tables + static_cast<std::int64_t>(seq) * p.max_blocks_per_seq),
         s_(scratch()) {}
 
   void run() {
     const bool lanes = vec_v_ && p_.layout == CacheLayout::kVLLM;
     s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
     if (L_ > 0) {
-      load_query();
       const int num_blocks = (L_ + B_ - 1) / B_;
+      read_block_ids(num_blocks);
+      load_query();
       const int chunk = std::max(1, kChunkTokens / B_);
       lstride_ = std::min(num_blocks, chunk) * B_;
       s_.logits.resize(static_cast<std::size_t>(G_) * static_cast<std::size_t>(lstride_));
@@ -115,6 +117,31 @@ class DecodeTask {
   }
 
  private:
+  // The index arrays were validated before dispatch, but the caller's memory may change
+  // while the call runs (another thread): each index is read exactly once, here, and
+  // checked again where it is used, so a racing change gives a wrong answer or an
+  // error, never an access out of bounds.
+  static int read_seq_len(const DecodeParams& p, int seq) {
+    const std::int32_t len = p.seq_lens[seq];
+    const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+    if (len < 0 || len > max_len)
+      fail<OutOfRange>("seq_lens[", seq, "] = ", len, " is outside [0, ", max_len,
+                       "] (it changed while the call ran)");
+    return len;
+  }
+
+  void read_block_ids(int num_blocks) {
+    const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(seq_) * p_.max_blocks_per_seq;
+    s_.blocks.resize(static_cast<std::size_t>(num_blocks));
+    for (int b = 0; b < num_blocks; ++b) {
+      const std::int32_t id = row[b];
+      if (id < 0 || id >= p_.num_blocks)
+        fail<OutOfRange>("block_tables[", seq_, ", ", b, "] = ", id, " is outside [0, num_blocks = ", p_.num_blocks,
+                         ") (it changed while the call ran)");
+      s_.blocks[static_cast<std::size_t>(b)] = id;
+    }
+  }
+
   std::size_t gd(int g) const { return static_cast<std::size_t>(g) * D_; }
   int tokens_in(int b) const { return std::min(B_, L_ - b * B_); }
 
@@ -172,7 +199,7 @@ class DecodeTask {
   PAGEDATTN_HOT void logits_pass(int b0, int b1) {
     for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
-      const float* kb = load_block(table_[b], false);
+      const float* kb = load_block(s_.blocks[static_cast<std::size_t>(b)], false);
       float* lg0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       if (vec_k_) {
         const ChunkMap km = key_chunks(kb);
@@ -239,7 +266,7 @@ class DecodeTask {
   PAGEDATTN_HOT void value_pass(int b0, int b1) {
     for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
-      const float* vb = load_block(table_[b], true);
+      const float* vb = load_block(s_.blocks[static_cast<std::size_t>(b)], true);
       const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       for (int g = 0; g < G_; ++g) {
         const float* pr = pr0 + static_cast<std::size_t>(g) * lstride_;
@@ -299,7 +326,6 @@ class DecodeTask {
   const int x_;
   const std::int64_t head_elems_;
   const bool direct_, vec_k_, vec_v_;
-  const std::int32_t* table_;
   Scratch& s_;
   int lstride_ = 0;            // logits row length: tokens of one chunk
   std::vector<float> max_;     // [G] running max of the logits
