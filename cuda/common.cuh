@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "pagedattn/errors.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cuda_backend {
 

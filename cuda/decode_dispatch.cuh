@@ -10,7 +10,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/decode_inst.cuh"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 #include "pagedattn/supported.hpp"
 
 namespace pagedattn::cuda_backend {

@@ -5,7 +5,7 @@
 
 #include "cuda/decode_inst.cuh"
 #include "decode_planner.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cuda_backend {
 

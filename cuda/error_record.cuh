@@ -10,7 +10,7 @@
 
 #include <cuda_runtime.h>
 
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cuda_backend {
 

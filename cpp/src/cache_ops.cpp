@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda_backend.hpp"
 #include "pagedattn/attention.hpp"
@@ -17,6 +19,10 @@ namespace {
 using detail::on_host;
 using detail::same_device;
 using detail::where;
+
+void check_writable(const TensorView& t, const std::string& name) {
+  if (t.read_only) fail<InvalidArgument>(name, ": the array is read-only; pagedattn writes into it");
+}
 
 void check_known_device(const TensorView& t, const std::string& name) {
   if (t.device == DeviceKind::kOther)
@@ -37,9 +43,6 @@ struct Mapping {
   const void* data = nullptr;
   bool int64 = true;
   std::int64_t pairs = 0;
-  std::int64_t at(std::int64_t i, int j) const {
-    return int64 ? static_cast<const std::int64_t*>(data)[2 * i + j] : static_cast<const std::int32_t*>(data)[2 * i + j];
-  }
 };
 
 Mapping check_mapping(const TensorView& m) {
@@ -51,12 +54,54 @@ Mapping check_mapping(const TensorView& m) {
   return Mapping{m.data, m.dtype == DType::kInt64, m.size(0)};
 }
 
-void check_pairs_range(const Mapping& m, std::int64_t src_n, std::int64_t dst_n) {
-  for (std::int64_t i = 0; i < m.pairs; ++i) {
-    if (m.at(i, 0) < 0 || m.at(i, 0) >= src_n)
-      fail<OutOfRange>("block_mapping[", i, ", 0] = ", m.at(i, 0), " is outside [0, ", src_n, ")");
-    if (m.at(i, 1) < 0 || m.at(i, 1) >= dst_n)
-      fail<OutOfRange>("block_mapping[", i, ", 1] = ", m.at(i, 1), " is outside [0, ", dst_n, ")");
+// The pairs of a host mapping, read exactly once into a private int64 copy [P, 2]:
+// every check and every copy uses the copy, so a mapping that changes during the call
+// (another thread writing it) can at worst give a wrong answer, never an access out of
+// bounds.
+std::vector<std::int64_t> read_pairs(const Mapping& m) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(2 * m.pairs));
+  if (m.int64) {
+    if (!v.empty()) std::memcpy(v.data(), m.data, v.size() * sizeof(std::int64_t));
+  } else {
+    const auto* s = static_cast<const std::int32_t*>(m.data);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = s[i];
+  }
+  return v;
+}
+
+void check_pairs_range(const std::vector<std::int64_t>& pairs, std::int64_t src_n, std::int64_t dst_n) {
+  for (std::size_t i = 0; i < pairs.size() / 2; ++i) {
+    const std::int64_t s = pairs[2 * i], d = pairs[2 * i + 1];
+    if (s < 0 || s >= src_n) fail<OutOfRange>("block_mapping[", i, ", 0] = ", s, " is outside [0, ", src_n, ")");
+    if (d < 0 || d >= dst_n) fail<OutOfRange>("block_mapping[", i, ", 1] = ", d, " is outside [0, ", dst_n, ")");
+  }
+}
+
+// Each block is written at most once per call, and (with `chains`, when sources and
+// destinations are blocks of the same arrays) no block is written by one pair and read
+// by another: the result would depend on the order of the pairs on the CPU and race on
+// CUDA, where pairs run in parallel. A pair (b, b) is a no-op and reads nothing
+// another pair writes, but its destination still counts once.
+void check_destinations(const std::vector<std::int64_t>& pairs, bool chains) {
+  const std::size_t n = pairs.size() / 2;
+  std::vector<std::pair<std::int64_t, std::size_t>> dst(n);  // (block, pair), sorted
+  for (std::size_t i = 0; i < n; ++i) dst[i] = {pairs[2 * i + 1], i};
+  std::sort(dst.begin(), dst.end());
+  for (std::size_t k = 1; k < n; ++k)
+    if (dst[k].first == dst[k - 1].first)
+      fail<InvalidArgument>("block_mapping[", dst[k].second, "]: destination block ", dst[k].first,
+                            " is also the destination of pair ", dst[k - 1].second,
+                            "; a block may be written only once per call");
+  if (!chains) return;
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::int64_t s = pairs[2 * j];
+    const auto it = std::lower_bound(dst.begin(), dst.end(), std::make_pair(s, std::size_t{0}));
+    if (it == dst.end() || it->first != s) continue;
+    const std::size_t i = it->second;
+    if (i == j || pairs[2 * i] == pairs[2 * i + 1]) continue;
+    fail<InvalidArgument>("block_mapping[", i, "]: destination block ", s, " is also the source of pair ", j,
+                          " (a chained copy, whose result would depend on the order of the pairs); "
+                          "split it into two calls");
   }
 }
 
@@ -72,6 +117,7 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
     const TensorView& t = caches[i];
     const std::string name = detail::concat("caches[", i, "]");
     check_known_device(t, name);
+    check_writable(t, name);
     const bool same = same_device(ref, t);
     if (!same)
       fail<InvalidArgument>(name, " is on ", where(t), " but caches[0] is on ", where(ref),
@@ -79,30 +125,35 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
     p.arrays.push_back(t.data);
     p.block_bytes.push_back(block_bytes_of(t, name));
     p.num_blocks.push_back(t.size(0));
+    detail::check_disjoint(t, name.c_str(), block_mapping, "block_mapping");
   }
   const bool cuda = ref.device == DeviceKind::kCUDA;
   const bool map_host = on_host(block_mapping);
   if (!map_host && !(cuda && block_mapping.device_id == ref.device_id))
     fail<InvalidArgument>("block_mapping is on ", where(block_mapping), " but the caches are on ", where(ref),
                           "; pass it in host memory or on the caches' device");
+  std::vector<std::int64_t> pairs;
   if (map_host) {
+    pairs = read_pairs(m);
     std::int64_t nmin = p.num_blocks.front();
     for (auto n : p.num_blocks) nmin = std::min(nmin, n);
-    check_pairs_range(m, nmin, nmin);
+    check_pairs_range(pairs, nmin, nmin);
+    check_destinations(pairs, /*chains=*/true);
   }
   if (!cuda) {
-    for (std::int64_t i = 0; i < m.pairs; ++i)
+    for (std::size_t i = 0; i < pairs.size() / 2; ++i) {
+      const auto s = static_cast<std::size_t>(pairs[2 * i]), d = static_cast<std::size_t>(pairs[2 * i + 1]);
+      if (s == d) continue;
       for (std::size_t a = 0; a < p.arrays.size(); ++a) {
         char* base = static_cast<char*>(p.arrays[a]);
         const auto bb = static_cast<std::size_t>(p.block_bytes[a]);
-        if (m.at(i, 0) != m.at(i, 1))
-          std::memcpy(base + static_cast<std::size_t>(m.at(i, 1)) * bb, base + static_cast<std::size_t>(m.at(i, 0)) * bb,
-                      bb);
+        std::memcpy(base + d * bb, base + s * bb, bb);
       }
+    }
     return;
   }
-  p.mapping = m.data;
-  p.mapping_int64 = m.int64;
+  p.mapping = map_host ? static_cast<const void*>(pairs.data()) : m.data;  // host: the checked copy
+  p.mapping_int64 = map_host || m.int64;
   p.mapping_on_host = map_host;
   p.num_pairs = m.pairs;
   p.device_id = ref.device_id;
@@ -112,6 +163,7 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
 void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping, void* stream) {
   check_known_device(src, "src");
   check_known_device(dst, "dst");
+  check_writable(dst, "dst");
   check_known_device(block_mapping, "block_mapping");
   const Mapping m = check_mapping(block_mapping);
   if (!on_host(block_mapping))
@@ -128,12 +180,17 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
   if (src.device == DeviceKind::kCUDA && dst.device == DeviceKind::kCUDA && src.device_id != dst.device_id)
     fail<InvalidArgument>("src is on ", where(src), " and dst on ", where(dst),
                           "; swap_blocks copies between one GPU and host memory (or within one GPU)");
-  check_pairs_range(m, src.size(0), dst.size(0));
+  detail::check_disjoint(dst, "dst", block_mapping, "block_mapping");
+  detail::check_disjoint(src, "src", block_mapping, "block_mapping");
+  detail::check_disjoint(dst, "dst", src, "src", /*allow_identical=*/true);
+  const std::vector<std::int64_t> pairs = read_pairs(m);
+  check_pairs_range(pairs, src.size(0), dst.size(0));
+  check_destinations(pairs, /*chains=*/src.data == dst.data);  // blocks of one array: no chains either
   if (on_host(src) && on_host(dst)) {
     const auto bb = static_cast<std::size_t>(sb);
-    for (std::int64_t i = 0; i < m.pairs; ++i)
-      std::memmove(static_cast<char*>(dst.data) + static_cast<std::size_t>(m.at(i, 1)) * bb,
-                   static_cast<const char*>(src.data) + static_cast<std::size_t>(m.at(i, 0)) * bb, bb);
+    for (std::size_t i = 0; i < pairs.size() / 2; ++i)
+      std::memmove(static_cast<char*>(dst.data) + static_cast<std::size_t>(pairs[2 * i + 1]) * bb,
+                   static_cast<const char*>(src.data) + static_cast<std::size_t>(pairs[2 * i]) * bb, bb);
     return;
   }
   SwapBlocksParams p;
@@ -142,8 +199,8 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
   p.block_bytes = sb;
   p.src_blocks = src.size(0);
   p.dst_blocks = dst.size(0);
-  p.mapping = m.data;
-  p.mapping_int64 = m.int64;
+  p.mapping = pairs.data();  // the checked copy
+  p.mapping_int64 = true;
   p.num_pairs = m.pairs;
   p.device_id = src.device == DeviceKind::kCUDA ? src.device_id : dst.device_id;
   cuda_backend::swap_blocks(p, stream);

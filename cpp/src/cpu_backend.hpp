@@ -2,7 +2,7 @@
 // reference the CUDA backend is tested against.
 #pragma once
 
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cpu {
 

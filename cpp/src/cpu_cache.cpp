@@ -4,6 +4,7 @@
 
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
+#include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn::cpu {
@@ -19,6 +20,11 @@ void reshape_and_cache(const CacheWriteParams& p) {
     const std::int64_t slot = p.slot_mapping_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
                                                    : static_cast<const std::int32_t*>(p.slot_mapping)[t];
     if (slot < 0) return;  // padding
+    // Read once (above) and checked here again: slot_mapping may change while the call
+    // runs (another thread), and a changed slot must never address outside the caches.
+    if (slot / B >= p.num_blocks)
+      fail<OutOfRange>("slot_mapping[", t, "] = ", slot, " is outside [-1, num_blocks * block_size = ",
+                       p.num_blocks * B, ") (it changed while the call ran)");
     const std::int64_t block = slot / B;
     const int off = static_cast<int>(slot % B);
     thread_local std::vector<float> row;

@@ -8,7 +8,9 @@
 //     8-element chunks, which both layouts store contiguously (vllm: x >= 8, or a
 //     re-chunked copy for float32's x = 4; nhd: the row itself);
 //   - values: 8-wide multiply-adds along the block's tokens (vllm, [D][B]) or along
-//     the head dimension (nhd, [B][D]), accumulated without reduction until the end.
+//     the head dimension (nhd, [B][D]) into a float32 accumulator that is folded into
+//     a float64 running total every kMergeTokens tokens: float32 sums stay short, so
+//     the output's error does not grow with the context length.
 // Head sizes that are not a multiple of 8 (and vllm blocks not a multiple of 8 for the
 // values) take a plain scalar path. Softmax is numerically stable (max subtracted) in
 // float32, over chunks of at most kChunkTokens tokens with a running max and sum (the
@@ -21,6 +23,7 @@
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
 #include "cpu_simd.hpp"
+#include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn::cpu {
@@ -29,6 +32,10 @@ namespace {
 constexpr int W = 8;  // floats per vector chunk
 // Tokens whose logits a task holds at once (rounded down to whole blocks, at least one).
 constexpr int kChunkTokens = 4096;
+// Tokens whose weighted values are summed in float32 before they are folded into the
+// float64 total (rounded down to whole blocks, at least one): short enough that the
+// float32 sums add little error, long enough that folding costs a few percent at most.
+constexpr int kMergeTokens = 256;
 typedef float f8 __attribute__((vector_size(W * sizeof(float))));
 
 inline f8 load8(const float* p) {
@@ -48,7 +55,9 @@ struct Scratch {
   std::vector<float> logits;  // [G, chunk tokens]
   std::vector<float> raw;     // one block of one head as float32, in cache order (D * B)
   std::vector<float> chunked;  // float32 vllm keys re-chunked to [D/8][B][8]
-  std::vector<float> acc;     // [G, D] (nhd, scalar) or [G, D, 8] lanes (vllm vector path)
+  std::vector<float> acc;     // [G, D] (nhd, scalar) or [G, D, 8] lanes (vllm vector path):
+                              // the float32 sum of at most kMergeTokens tokens
+  std::vector<std::int32_t> blocks;  // this sequence's block ids, read once and checked
 };
 
 Scratch& scratch() {
@@ -76,7 +85,7 @@ class DecodeTask {
         G_(p.num_heads / p.num_kv_heads),
         D_(p.head_size),
         B_(p.block_size),
-        L_(p.seq_lens[seq]),
+        L_(read_seq_len(p, seq)),
         seq_(seq),
         kv_head_(kv_head),
         h0_(kv_head * G_),
@@ -87,15 +96,16 @@ class DecodeTask {
                 p.layout == CacheLayout::kVLLM),
         vec_k_(D_ % W == 0),
         vec_v_(D_ % W == 0 && (p.layout == CacheLayout::kNHD || B_ % W == 0)),
-        table_(p.block_tables + static_cast<std::int64_t>(seq) * p.max_blocks_per_seq),
         s_(scratch()) {}
 
   void run() {
     const bool lanes = vec_v_ && p_.layout == CacheLayout::kVLLM;
     s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
+    total_.assign(static_cast<std::size_t>(G_) * D_, 0.0);
     if (L_ > 0) {
-      load_query();
       const int num_blocks = L_ / B_ + (L_ % B_ != 0);  // L_ + B_ - 1 overflows int near 2^31
+      read_block_ids(num_blocks);
+      load_query();
       const int chunk = std::max(1, kChunkTokens / B_);
       lstride_ = std::min(num_blocks, chunk) * B_;
       s_.logits.resize(static_cast<std::size_t>(G_) * static_cast<std::size_t>(lstride_));
@@ -104,17 +114,42 @@ class DecodeTask {
       for (int b0 = 0; b0 < num_blocks; b0 += chunk) {
         const int b1 = std::min(num_blocks, b0 + chunk);
         logits_pass(b0, b1);
-        softmax(b0, b1, lanes);
-        value_pass(b0, b1);
+        softmax(b0, b1);
+        value_pass(b0, b1, lanes);
       }
       inv_sum_.resize(static_cast<std::size_t>(G_));
       for (int g = 0; g < G_; ++g)
-        inv_sum_[static_cast<std::size_t>(g)] = static_cast<float>(1.0 / sum_[static_cast<std::size_t>(g)]);
+        inv_sum_[static_cast<std::size_t>(g)] = 1.0 / sum_[static_cast<std::size_t>(g)];
     }
-    write_out(lanes);
+    write_out();
   }
 
  private:
+  // The index arrays were validated before dispatch, but the caller's memory may change
+  // while the call runs (another thread): each index is read exactly once, here, and
+  // checked again where it is used, so a racing change gives a wrong answer or an
+  // error, never an access out of bounds.
+  static int read_seq_len(const DecodeParams& p, int seq) {
+    const std::int32_t len = p.seq_lens[seq];
+    const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+    if (len < 0 || len > max_len)
+      fail<OutOfRange>("seq_lens[", seq, "] = ", len, " is outside [0, ", max_len,
+                       "] (it changed while the call ran)");
+    return len;
+  }
+
+  void read_block_ids(int num_blocks) {
+    const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(seq_) * p_.max_blocks_per_seq;
+    s_.blocks.resize(static_cast<std::size_t>(num_blocks));
+    for (int b = 0; b < num_blocks; ++b) {
+      const std::int32_t id = row[b];
+      if (id < 0 || id >= p_.num_blocks)
+        fail<OutOfRange>("block_tables[", seq_, ", ", b, "] = ", id, " is outside [0, num_blocks = ", p_.num_blocks,
+                         ") (it changed while the call ran)");
+      s_.blocks[static_cast<std::size_t>(b)] = id;
+    }
+  }
+
   std::size_t gd(int g) const { return static_cast<std::size_t>(g) * D_; }
   int tokens_in(int b) const { return std::min(B_, L_ - b * B_); }
 
@@ -172,7 +207,7 @@ class DecodeTask {
   PAGEDATTN_HOT void logits_pass(int b0, int b1) {
     for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
-      const float* kb = load_block(table_[b], false);
+      const float* kb = load_block(s_.blocks[static_cast<std::size_t>(b)], false);
       float* lg0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       if (vec_k_) {
         const ChunkMap km = key_chunks(kb);
@@ -200,13 +235,12 @@ class DecodeTask {
   }
 
   // Softmax of one chunk per query head (ALiBi bias first), online: the running max
-  // rises to cover the chunk, the sum and the accumulated output are rescaled to it.
+  // rises to cover the chunk, the sum and the output total are rescaled to it.
   // Probabilities stay unnormalised; the 1 / sum is applied to the output. With a single
   // chunk this is exactly the two-pass softmax over the whole context.
-  void softmax(int b0, int b1, bool lanes) {
+  void softmax(int b0, int b1) {
     const int t0 = b0 * B_;
     const int n = std::min(L_, b1 * B_) - t0;
-    const std::size_t acc_len = static_cast<std::size_t>(D_) * (lanes ? W : 1);
     for (int g = 0; g < G_; ++g) {
       const auto gi = static_cast<std::size_t>(g);
       float* lg = s_.logits.data() + gi * static_cast<std::size_t>(lstride_);
@@ -222,8 +256,8 @@ class DecodeTask {
       }
       const float corr = std::exp(max_[gi] - mx);  // 0 on the first finite chunk
       if (corr != 1.0f) {
-        float* acc = s_.acc.data() + gi * acc_len;
-        for (std::size_t i = 0; i < acc_len; ++i) acc[i] *= corr;
+        double* total = total_.data() + gd(g);
+        for (int d = 0; d < D_; ++d) total[d] *= corr;
       }
       double sum = sum_[gi] * corr;
       for (int j = 0; j < n; ++j) {
@@ -235,11 +269,37 @@ class DecodeTask {
     }
   }
 
-  // acc[g] += sum_t p[g][t] * v[t] over the tokens of blocks [b0, b1).
-  PAGEDATTN_HOT void value_pass(int b0, int b1) {
-    for (int b = b0; b < b1; ++b) {
+  // Adds the float32 accumulator into the float64 total and clears it.
+  void fold(bool lanes) {
+    for (int g = 0; g < G_; ++g) {
+      double* total = total_.data() + gd(g);
+      if (lanes) {
+        const float* acc = s_.acc.data() + gd(g) * W;
+        for (int d = 0; d < D_; ++d) total[d] += hsum(load8(acc + static_cast<std::size_t>(d) * W));
+      } else {
+        const float* acc = s_.acc.data() + gd(g);
+        for (int d = 0; d < D_; ++d) total[d] += acc[d];
+      }
+    }
+    std::fill(s_.acc.begin(), s_.acc.end(), 0.0f);
+  }
+
+  // total[g] += sum_t p[g][t] * v[t] over the tokens of blocks [b0, b1), through the
+  // float32 accumulator folded every kMergeTokens tokens.
+  void value_pass(int b0, int b1, bool lanes) {
+    const int per_fold = std::max(1, kMergeTokens / B_);
+    for (int f0 = b0; f0 < b1; f0 += per_fold) {
+      value_blocks(b0, f0, std::min(b1, f0 + per_fold));
+      fold(lanes);
+    }
+  }
+
+  // acc[g] += sum_t p[g][t] * v[t] over the tokens of blocks [f0, f1) of the chunk that
+  // starts at block b0.
+  PAGEDATTN_HOT void value_blocks(int b0, int f0, int f1) {
+    for (int b = f0; b < f1; ++b) {
       const int n = tokens_in(b);
-      const float* vb = load_block(table_[b], true);
+      const float* vb = load_block(s_.blocks[static_cast<std::size_t>(b)], true);
       const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       for (int g = 0; g < G_; ++g) {
         const float* pr = pr0 + static_cast<std::size_t>(g) * lstride_;
@@ -277,16 +337,13 @@ class DecodeTask {
     }
   }
 
-  void write_out(bool lanes) {
+  void write_out() {
     const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
     std::vector<float>& row = s_.raw;
     row.resize(static_cast<std::size_t>(std::max<std::int64_t>(D_, head_elems_)));
     for (int g = 0; g < G_; ++g) {
-      const float inv = L_ > 0 ? inv_sum_[static_cast<std::size_t>(g)] : 0.0f;
-      for (int d = 0; d < D_; ++d) {
-        const float a = lanes ? hsum(load8(s_.acc.data() + (gd(g) + d) * W)) : s_.acc[gd(g) + d];
-        row[static_cast<std::size_t>(d)] = a * inv;
-      }
+      const double inv = L_ > 0 ? inv_sum_[static_cast<std::size_t>(g)] : 0.0;
+      for (int d = 0; d < D_; ++d) row[static_cast<std::size_t>(d)] = static_cast<float>(total_[gd(g) + d] * inv);
       char* dst = static_cast<char*>(p_.out) +
                   (seq_ * p_.o_stride_seq + static_cast<std::int64_t>(h0_ + g) * p_.o_stride_head) * elem;
       store_row(row.data(), p_.dtype, KVCacheDType::kAuto, 1.0f, D_, dst);
@@ -299,12 +356,12 @@ class DecodeTask {
   const int x_;
   const std::int64_t head_elems_;
   const bool direct_, vec_k_, vec_v_;
-  const std::int32_t* table_;
   Scratch& s_;
   int lstride_ = 0;            // logits row length: tokens of one chunk
   std::vector<float> max_;     // [G] running max of the logits
   std::vector<double> sum_;    // [G] running sum of exp(logit - max)
-  std::vector<float> inv_sum_;
+  std::vector<double> inv_sum_;
+  std::vector<double> total_;  // [G, D] running sum of exp(logit - max) * v
 };
 
 }  // namespace

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "numeric.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cpu {
 

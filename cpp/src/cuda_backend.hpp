@@ -7,7 +7,7 @@
 
 #include "pagedattn/attention.hpp"
 #include "pagedattn/cache_ops.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn::cuda_backend {
 

@@ -45,16 +45,16 @@ DecodePlan make_plan(const DecodeShape& p, const KernelShape& kernel, const Devi
   const std::int64_t ctx = std::max<std::int64_t>(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size, 1);
 
   std::int64_t psize = 0;
-  if (p.version == 1) {
+  if (p.kernel == DecodeKernel::kSinglePass) {
     psize = round_to_chunks(ctx);
   } else if (p.partition_size != 0) {
     psize = p.partition_size;
-    plan.partials = p.version == 2 || psize < ctx;
+    plan.partials = p.kernel == DecodeKernel::kPartitioned || psize < ctx;
   } else {
     const double bytes_per_token = 2.0 * p.head_size * static_cast<double>(p.cache_elem_bytes);
     const PlanModel model{device.num_sms, kernel.slots_per_sm, device.mem_bw,
                           4.0 * std::min(G, kernel.rows) * (p.head_size + 2)};
-    const int min_np = p.version == 2 && ctx > kPartitionAlign ? 2 : 1;
+    const int min_np = p.kernel == DecodeKernel::kPartitioned && ctx > kPartitionAlign ? 2 : 1;
     const int max_np = static_cast<int>(std::max<std::int64_t>(min_np, std::min<std::int64_t>(ctx / 64, 512)));
     double best = INFINITY;
     psize = round_to_chunks(ctx);
@@ -74,7 +74,7 @@ DecodePlan make_plan(const DecodeShape& p, const KernelShape& kernel, const Devi
         psize = ps;
       }
     }
-    plan.partials = p.version == 2 || psize < ctx;
+    plan.partials = p.kernel == DecodeKernel::kPartitioned || psize < ctx;
   }
   if (psize > std::numeric_limits<int>::max() / 2) psize = std::numeric_limits<int>::max() / 2;
   plan.partition_size = static_cast<int>(psize);

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "pagedattn/attention.hpp"
+
 namespace pagedattn::planner {
 
 // Partition sizes are multiples of one warp chunk of tokens.
@@ -27,7 +29,7 @@ struct DecodeShape {
   int block_size = 0;          // B
   int max_blocks_per_seq = 0;  // M: the context planned for is M * B tokens
   std::size_t cache_elem_bytes = 0;  // bytes of one cached key or value element
-  int version = 0;         // 0 choose, 1 single pass, 2 partitioned + reduce
+  DecodeKernel kernel = DecodeKernel::kAuto;
   int partition_size = 0;  // tokens per partition when forced; 0 = choose. A multiple of
                            // kPartitionAlign (the validator refuses others)
 };

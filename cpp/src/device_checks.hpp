@@ -6,7 +6,7 @@
 
 #include "pagedattn/attention.hpp"
 #include "pagedattn/errors.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 #include "pagedattn/tensor.hpp"
 
 namespace pagedattn::detail {
@@ -31,6 +31,12 @@ inline bool same_device(const TensorView& a, const TensorView& b) {
 // Head size and block size against the CUDA backend's supported lists (NotSupported).
 // Defined in validate.cpp.
 void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
+
+// `written` (an array a call writes) must not share memory with `other`; with
+// allow_identical the very same view is accepted (InvalidArgument naming both).
+// Defined in validate.cpp: the overlap check of the decode and cache-write passes.
+void check_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
+                    const char* other_name, bool allow_identical = false);
 
 // The decode kernel choice: a known DecodeKernel, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.

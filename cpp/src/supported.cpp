@@ -5,36 +5,6 @@
 
 namespace pagedattn {
 
-const char* layout_name(CacheLayout l) noexcept {
-  switch (l) {
-    case CacheLayout::kVLLM: return "vllm";
-    case CacheLayout::kNHD: return "nhd";
-  }
-  return "unknown";
-}
-
-const char* kv_cache_dtype_name(KVCacheDType k) noexcept {
-  switch (k) {
-    case KVCacheDType::kAuto: return "auto";
-    case KVCacheDType::kFp8E4M3: return "fp8_e4m3";
-    case KVCacheDType::kFp8E5M2: return "fp8_e5m2";
-  }
-  return "unknown";
-}
-
-CacheLayout parse_layout(const std::string& s, const char* arg) {
-  if (s == "vllm") return CacheLayout::kVLLM;
-  if (s == "nhd") return CacheLayout::kNHD;
-  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"vllm\" or \"nhd\"");
-}
-
-KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg) {
-  if (s == "auto") return KVCacheDType::kAuto;
-  if (s == "fp8" || s == "fp8_e4m3") return KVCacheDType::kFp8E4M3;
-  if (s == "fp8_e5m2") return KVCacheDType::kFp8E5M2;
-  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"auto\", \"fp8_e4m3\" (or \"fp8\") or \"fp8_e5m2\"");
-}
-
 namespace supported {
 namespace {
 template <class Container, class F>

@@ -9,6 +9,11 @@
 #include <thread>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define PAGEDATTN_HAVE_ATFORK 1
+#endif
+
 namespace pagedattn::cpu {
 namespace {
 
@@ -94,8 +99,37 @@ int configured_threads() {
   return hw == 0 ? 1 : static_cast<int>(std::min(hw, 256u));
 }
 
+// The pool is built on first use. A fork() leaves the child with only the forking
+// thread: the workers do not follow, and the pool's mutexes may be held by threads that
+// no longer exist (a fork while another thread is inside parallel_for). So the child
+// abandons the inherited pool (never destroyed: a mutex held by a vanished thread
+// cannot be) and builds a fresh one on its first call. The creation mutex itself is
+// taken around fork() so that it is never inherited locked.
+std::mutex g_create_mutex;
+std::atomic<Pool*> g_pool{nullptr};
+
+#ifdef PAGEDATTN_HAVE_ATFORK
+void before_fork() { g_create_mutex.lock(); }
+void after_fork_in_parent() { g_create_mutex.unlock(); }
+void after_fork_in_child() {
+  g_pool.store(nullptr, std::memory_order_relaxed);
+  g_create_mutex.unlock();  // held by this very thread since before_fork
+}
+
+// Registered when the library is loaded, before any thread of it can exist.
+[[maybe_unused]] const bool g_fork_handlers = [] {
+  return pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child) == 0;
+}();
+#endif
+
 Pool& pool() {
-  static Pool* p = new Pool(configured_threads());  // intentionally never destroyed
+  if (Pool* p = g_pool.load(std::memory_order_acquire)) return *p;
+  std::lock_guard<std::mutex> lk(g_create_mutex);
+  Pool* p = g_pool.load(std::memory_order_relaxed);
+  if (!p) {
+    p = new Pool(configured_threads());  // intentionally never destroyed
+    g_pool.store(p, std::memory_order_release);
+  }
   return *p;
 }
 

@@ -343,6 +343,11 @@ void check_decode_choice(DecodeKernel kernel, int partition_size) {
   if (partition_size < 0) fail<InvalidArgument>("partition_size: must be >= 0, got ", partition_size);
 }
 
+void check_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
+                    const char* other_name, bool allow_identical) {
+  Written(written, written_name).disjoint_from(other, other_name, allow_identical);
+}
+
 }  // namespace detail
 
 void check_decode_shape(const DecodeShape& sh, DeviceKind device, const AttentionOptions& opt) {
@@ -391,7 +396,7 @@ DecodeParams decode_params_of(const DecodeShape& sh, const AttentionOptions& opt
   p.dtype = sh.dtype;
   p.kv_cache_dtype = opt.kv_cache_dtype;
   p.layout = sh.layout;
-  p.version = static_cast<int>(opt.kernel);  // 0 auto, 1 single pass, 2 partitioned
+  p.kernel = opt.kernel;
   p.partition_size = opt.partition_size;
   p.check_block_tables = opt.check_block_tables;
   p.device_id = sh.device_id;

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "pagedattn/attention.hpp"
-#include "pagedattn/params.hpp"
+#include "params.hpp"
 
 namespace pagedattn {
 

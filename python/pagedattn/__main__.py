@@ -17,7 +17,6 @@ Options (no command):
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -105,11 +104,13 @@ def run_demo(device: str, seed: int = 0) -> int:
 
 
 def selfcheck_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    from pagedattn.demo.cli import MAX_SEED, ArgumentParser, int_in
+
+    parser = ArgumentParser(
         prog="python -m pagedattn selfcheck", description="Decode two realistic shapes and check them against float64."
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="0 to 2^63 - 1 (default 0)")
     args = parser.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -124,7 +125,8 @@ _BENCH_HELP = """Runs pagedattn.bench.kernels.main(argv) on a GPU (needs this bu
 PyTorch with a GPU), else pagedattn.bench.cpu_decode.main(argv) (the CPU path against a
 NumPy baseline). Options other than --device and --plot go to that benchmark: see
 `python -m pagedattn.bench.kernels --help` and `python -m pagedattn.bench.cpu_decode --help`
-(both take --json FILE and --reps N)."""
+(both take --json FILE and --reps N; N is 1 to 100000, and FILE's folder must exist)."""
+MAX_BENCH_REPS = 100_000
 
 
 def _torch_gpu() -> bool:
@@ -136,16 +138,6 @@ def _torch_gpu() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # a torch without a usable driver
         return False
-
-
-def _option_value(argv, name):
-    """The value of ``--name VALUE`` or ``--name=VALUE`` in argv, else None."""
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def _plot_gbs(series, path, title):
@@ -192,11 +184,22 @@ def _cpu_context_sweep(reps):
 
 
 def bench_main(argv=None) -> int:
+    from pagedattn.demo.cli import ArgumentParser, int_in, output_file
+
     argv = list(argv or [])
-    parser = argparse.ArgumentParser(prog="python -m pagedattn bench", description=_BENCH_HELP, add_help=False)
+    parser = ArgumentParser(prog="python -m pagedattn bench", description=_BENCH_HELP, add_help=False)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--plot", metavar="FILE.png", help="also write GB/s against context length (needs matplotlib)")
+    parser.add_argument(
+        "--plot", type=output_file, metavar="FILE.png", help="also write GB/s against context length (needs matplotlib)"
+    )
+    # Checked here, before either benchmark starts, and handed on to it.
+    parser.add_argument("--reps", type=int_in(1, MAX_BENCH_REPS), help=f"timed calls per shape, 1 to {MAX_BENCH_REPS}")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="write the results (its folder must exist)")
     args, rest = parser.parse_known_args(argv)
+    if args.reps is not None:
+        rest += ["--reps", str(args.reps)]
+    if args.json is not None:
+        rest += ["--json", args.json]
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print()
@@ -219,7 +222,7 @@ def bench_main(argv=None) -> int:
         rc = kernels.main(rest)
         if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
             return rc
-        with open(_option_value(rest, "--json") or "bench_kernels.json") as f:
+        with open(args.json or "bench_kernels.json") as f:
             result = json.load(f)
         series = {}
         for r in result["rows"]:
@@ -235,7 +238,7 @@ def bench_main(argv=None) -> int:
     rc = cpu_decode.main(rest)
     if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
         return rc
-    reps = int(_option_value(rest, "--reps") or 3)
+    reps = args.reps or 3
     print("GB/s against context length (4 sequences, 32 query / 8 KV heads, head size 128, float16):")
     _plot_gbs(
         _cpu_context_sweep(reps),
@@ -257,9 +260,9 @@ def main(argv=None) -> int:
         return bench_main(argv[1:])
     if argv and argv[0] == "serve":
         argv = argv[1:]
-    from pagedattn.demo.cli import add_serve_arguments, serve
+    from pagedattn.demo.cli import ArgumentParser, add_serve_arguments, serve
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m pagedattn",
         description="Serve a continuous-batching workload with pagedattn and check every attention output. "
         "Other commands: `python -m pagedattn bench [--help]`, `python -m pagedattn selfcheck`.",

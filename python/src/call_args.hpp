@@ -7,7 +7,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <memory>
 #include <optional>
+#include <vector>
 
 #include "exchange.hpp"
 #include "ndarray.hpp"
@@ -66,6 +68,33 @@ class CallArrays {
   const exchange::Api* apis_[kMax];                   // null: converted by nanobind
   int n_ = 0;
   int jax_result_ = -1;  // index of an output allocated in NumPy for a JAX host array
+};
+
+// Any number of arrays (copy_blocks takes every layer's caches): CallArrays of kMax
+// arrays each, filled in turn.
+class ArrayList {
+ public:
+  int add(nb::handle obj, const char* name, bool written = false) {
+    if (chunks_.empty() || used_ == CallArrays::kMax) {
+      chunks_.push_back(std::make_unique<CallArrays>());
+      used_ = 0;
+    }
+    chunks_.back()->add(obj, name, written);
+    ++used_;
+    return static_cast<int>(size()) - 1;
+  }
+  std::size_t size() const { return chunks_.empty() ? 0 : (chunks_.size() - 1) * CallArrays::kMax + used_; }
+  const TensorView& operator[](std::size_t i) const {
+    return (*chunks_[i / CallArrays::kMax])[static_cast<int>(i % CallArrays::kMax)];
+  }
+  // The stream of the call, as CallArrays::stream for array `like`.
+  void* stream(nb::handle stream, std::size_t like) const {
+    return chunks_[like / CallArrays::kMax]->stream(stream, static_cast<int>(like % CallArrays::kMax));
+  }
+
+ private:
+  std::vector<std::unique_ptr<CallArrays>> chunks_;
+  int used_ = 0;
 };
 
 // A stream argument alone (for run() of a prepared call): null for None.

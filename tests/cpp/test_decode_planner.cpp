@@ -129,12 +129,12 @@ PA_TEST(short_contexts_run_single_pass_whatever_the_occupancy) {
 PA_TEST(forced_versions_and_partition_sizes) {
   const DeviceShape h100{kSms, kH100Bw};
   DecodeShape s = shape(1, 32, 8, 128, 4096);
-  s.version = 1;  // single pass: one partition covering the whole context
+  s.kernel = pagedattn::DecodeKernel::kSinglePass;  // single pass: one partition covering the whole context
   DecodePlan p = make_plan(s, kTensorCore, h100);
   PA_CHECK_EQ(p.num_partitions, 1);
   PA_CHECK_EQ(p.partition_size, 4096);
   PA_CHECK(!p.partials);
-  s.version = 2;
+  s.kernel = pagedattn::DecodeKernel::kPartitioned;
   s.partition_size = 512;
   p = make_plan(s, kTensorCore, h100);
   PA_CHECK_EQ(p.num_partitions, 8);
@@ -144,11 +144,11 @@ PA_TEST(forced_versions_and_partition_sizes) {
   p = make_plan(s, kTensorCore, h100);
   PA_CHECK_EQ(p.num_partitions, 1);
   PA_CHECK(p.partials);
-  s.version = 0;  // a partition size alone: partitioned only when it splits the context
+  s.kernel = pagedattn::DecodeKernel::kAuto;  // a partition size alone: partitioned only when it splits the context
   PA_CHECK(!make_plan(s, kTensorCore, h100).partials);
   s.partition_size = 1024;
   PA_CHECK(make_plan(s, kTensorCore, h100).partials);
-  s.version = 2;  // partitioned, size chosen: at least two partitions
+  s.kernel = pagedattn::DecodeKernel::kPartitioned;  // partitioned, size chosen: at least two partitions
   s.partition_size = 0;
   for (const int S : {1, 32, 128}) {
     s.num_seqs = S;
@@ -162,10 +162,10 @@ PA_TEST(single_pass_partition_rounds_the_context_to_chunks) {
   DecodeShape s = shape(3, 8, 2, 64, 0);
   s.block_size = 8;
   s.max_blocks_per_seq = 5;  // 40 tokens -> one partition of 48
-  s.version = 1;
+  s.kernel = pagedattn::DecodeKernel::kSinglePass;
   PA_CHECK_EQ(make_plan(s, kTensorCore, {kSms, kH100Bw}).partition_size, 48);
   s.max_blocks_per_seq = 0;  // empty tables: one partition of a chunk per warp
-  s.version = 0;
+  s.kernel = pagedattn::DecodeKernel::kAuto;
   const DecodePlan p = make_plan(s, kTensorCore, {kSms, kH100Bw});
   PA_CHECK_EQ(p.num_partitions, 1);
   PA_CHECK_EQ(p.partition_size, kPartitionAlign * kTensorCore.threads / 32);
@@ -182,7 +182,7 @@ PA_TEST(head_tiles_follow_the_kernel_rows) {
 
 PA_TEST(workspace_holds_the_partials_and_their_statistics) {
   DecodeShape s = shape(3, 8, 2, 80, 1000);
-  s.version = 2;
+  s.kernel = pagedattn::DecodeKernel::kPartitioned;
   s.partition_size = 64;
   const DecodePlan p = make_plan(s, kTensorCore, {kSms, kH200Bw});
   PA_CHECK_EQ(p.num_partitions, 16);  // 63 blocks of 16 = 1008 tokens

@@ -3,6 +3,8 @@ validation of their arguments."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -64,6 +66,114 @@ def test_copy_blocks_errors(rng):
         pagedattn.copy_blocks(keys, values, np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
         pagedattn.copy_blocks([keys[0][:, :, ::2]], [], [(0, 1)])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_blocks_single_arrays_are_one_layer(rng, layout):
+    """copy_blocks(key_cache, value_cache, pairs) with bare arrays copies whole blocks of
+    those two caches; an array is never taken for a list of per-layer caches."""
+    (k,), (v,) = layer_caches(rng, 1, layout=layout)
+    k0, v0 = k.copy(), v.copy()
+    pagedattn.copy_blocks(k, v, [(3, 5)])
+    ek, ev = k0.copy(), v0.copy()
+    ek[5], ev[5] = k0[3], v0[3]
+    assert np.array_equal(k, ek) and np.array_equal(v, ev)
+    # Mixed forms, and an empty list of value caches.
+    (k2,), (v2,) = layer_caches(rng, 1, layout=layout)
+    k20 = k2.copy()
+    pagedattn.copy_blocks(k2, [v2], [(1, 0)])
+    assert np.array_equal(k2[0], k20[1]) and np.array_equal(k2[1:], k20[1:])
+    k3 = k0.copy()
+    pagedattn.copy_blocks(k3, [], np.array([[2, 6]], np.int64))
+    ek3 = k0.copy()
+    ek3[6] = k0[2]
+    assert np.array_equal(k3, ek3)
+
+
+def test_copy_and_swap_refuse_what_is_not_a_cache(rng):
+    (k,), (v,) = layer_caches(rng, 1)
+    with pytest.raises(TypeError, match="key_caches: expected a cache array or a sequence of them, got int"):
+        pagedattn.copy_blocks(5, [v], [(0, 1)])
+    with pytest.raises(TypeError, match=r"key_caches\[1\]: expected a writable array"):
+        pagedattn.copy_blocks([k, "v"], [], np.array([[0, 1]], np.int64))
+    with pytest.raises(TypeError, match="value_caches: expected a cache array or a sequence of them, got int"):
+        pagedattn.copy_blocks([k], 3, np.array([[0, 1]], np.int64))
+    dst = np.zeros_like(k)
+    with pytest.raises(TypeError, match="src: expected one cache array .* got list; swap_blocks moves the blocks"):
+        pagedattn.swap_blocks([k], dst, [(0, 1)])
+    with pytest.raises(TypeError, match="dst: expected one cache array .* got tuple"):
+        pagedattn.swap_blocks(k, (dst,), [(0, 1)])
+    assert not dst.any()
+
+
+def mapping_inside(cache: np.ndarray, block: int, pairs) -> np.ndarray:
+    """An int64 [P, 2] view whose memory is block `block` of `cache`, holding `pairs`."""
+    flat = cache[block].reshape(-1).view(np.int64)
+    m = flat[: 2 * len(pairs)].reshape(len(pairs), 2)
+    m[:] = pairs
+    return m
+
+
+def test_copy_blocks_refuses_a_mapping_inside_a_cache(rng):
+    keys, values = layer_caches(rng, 2)
+    for where, cache in (("caches[1]", keys[1]), ("caches[3]", values[1])):
+        # The first pair would overwrite the mapping's own block before the second is read.
+        mapping = mapping_inside(cache, 4, [[0, 4], [2, 9]])
+        snap = [c.copy() for c in keys + values]
+        with pytest.raises(ValueError, match=rf"{re.escape(where)} overlaps block_mapping in memory"):
+            pagedattn.copy_blocks(keys, values, mapping)
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(snap, keys + values))
+
+
+def test_swap_blocks_refuses_a_mapping_inside_src_or_dst_and_overlapping_arrays(rng):
+    src = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    dst = np.zeros((6, 4, 8), np.float32)
+    inside_dst = mapping_inside(dst, 1, [[0, 1], [2, 3]])
+    inside_src = mapping_inside(src, 5, [[0, 1]])
+    snap_src, snap_dst = src.copy(), dst.copy()
+    with pytest.raises(ValueError, match="dst overlaps block_mapping"):
+        pagedattn.swap_blocks(src, dst, inside_dst)
+    with pytest.raises(ValueError, match="src overlaps block_mapping"):
+        pagedattn.swap_blocks(src, dst, inside_src)
+    assert np.array_equal(dst, snap_dst) and np.array_equal(src, snap_src)
+    whole = rng.standard_normal((8, 4, 8)).astype(np.float32)
+    before = whole.copy()
+    with pytest.raises(ValueError, match="dst overlaps src in memory"):
+        pagedattn.swap_blocks(whole[0:6], whole[2:8], [(0, 0)])
+    assert np.array_equal(whole, before)
+
+
+def test_copy_blocks_refuses_repeated_and_chained_destinations(rng):
+    keys, values = layer_caches(rng, 2)
+    snap = [c.copy() for c in keys + values]
+    with pytest.raises(ValueError, match=r"block_mapping\[2\]: destination block 5 is also the destination of pair 0"):
+        pagedattn.copy_blocks(keys, values, [(0, 5), (1, 6), (2, 5)])
+    with pytest.raises(ValueError, match=r"block_mapping\[0\]: destination block 5 is also the source of pair 1"):
+        pagedattn.copy_blocks(keys, values, [(0, 5), (5, 7)])
+    with pytest.raises(ValueError, match=r"block_mapping\[1\]: destination block 3 is also the source of pair 0"):
+        pagedattn.copy_blocks(keys, values, np.array([(3, 8), (1, 3)], np.int32))
+    assert all(np.array_equal(a, b) for a, b in zip(snap, keys + values)), "a refused call changed a cache"
+    # A pair (b, b) is a no-op: other pairs may read b.
+    pagedattn.copy_blocks(keys, values, [(2, 2), (2, 4)])
+    assert np.array_equal(keys[0][4], snap[0][2]) and np.array_equal(keys[0][2], snap[0][2])
+
+
+def test_swap_blocks_destinations(rng):
+    src = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    dst = np.zeros((6, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"block_mapping\[1\]: destination block 1 is also the destination of pair 0"):
+        pagedattn.swap_blocks(src, dst, [(0, 1), (2, 1)])
+    assert not dst.any()
+    # Separate arrays: a destination index may equal a source index.
+    pagedattn.swap_blocks(src, dst, [(0, 1), (1, 0)])
+    assert np.array_equal(dst[1], src[0]) and np.array_equal(dst[0], src[1])
+    # The same array as src and dst: no chains.
+    same = src.copy()
+    with pytest.raises(ValueError, match=r"block_mapping\[0\]: destination block 1 is also the source of pair 1"):
+        pagedattn.swap_blocks(same, same, [(0, 1), (1, 2)])
+    assert np.array_equal(same, src)
+    pagedattn.swap_blocks(same, same, [(0, 4), (1, 5)])
+    assert np.array_equal(same[4], src[0]) and np.array_equal(same[5], src[1])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

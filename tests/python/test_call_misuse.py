@@ -186,3 +186,17 @@ def test_every_kernel_choice_gives_the_same_answer_on_the_cpu(rng):
     assert set(pagedattn.supported()["kernels"]) == {"auto", "single_pass", "partitioned"}
     for kernel in pagedattn.supported()["kernels"]:
         assert_close(pagedattn.paged_attention(*p.args(), kernel=kernel, partition_size=64), ref, np.float32)
+
+
+def test_copy_and_swap_refuse_read_only_destinations_in_the_core(rng):
+    k = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    ro = k.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match=r"key_caches\[0\]: the array is read-only"):
+        pagedattn.copy_blocks([ro], [], [(0, 1)])
+    with pytest.raises(ValueError, match="dst: the array is read-only"):
+        pagedattn.swap_blocks(k, ro, [(0, 1)])
+    assert np.array_equal(ro, k)
+    # Lists of pairs become int64 arrays in the core; a bad list is named.
+    with pytest.raises(TypeError, match="block_mapping: the pairs are not integers"):
+        pagedattn.copy_blocks([k.copy()], [], [("a", "b")])

@@ -99,10 +99,103 @@ def test_parse_memory(text, blocks):
     assert cli.parse_memory(text, 16384) == blocks
 
 
-@pytest.mark.parametrize("text", ["", "four", "1.5blocks", "-3", "4GB"])
+@pytest.mark.parametrize(
+    "text", ["", "four", "1.5blocks", "-3", "4GB", "1e30", "12345678901234567890blocks", f"{2**20 + 1}MB"]
+)
 def test_parse_memory_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
         cli.parse_memory(text, 16384)
+
+
+def test_parse_memory_refuses_blocks_totalling_more_than_the_bound():
+    assert cli.parse_memory("1000blocks", 2**20) == 1000
+    with pytest.raises(argparse.ArgumentTypeError, match="exceed"):
+        cli.parse_memory(f"{cli.MAX_POOL_MB + 1}blocks", 2**20)
+
+
+# (arguments, option the one-line error must name). Every case must fail in argument
+# checking, before the model, the pools or the benchmark exist.
+BAD_COMMAND_LINES = [
+    (["--memory", "-5"], "--memory"),
+    (["--memory", "abc"], "--memory"),
+    (["--memory", "1e30"], "--memory"),
+    (["--memory", "2.5blocks"], "--memory"),
+    (["--memory", f"{2**20 + 1}"], "--memory"),
+    (["--memory", "12345678901234567890blocks"], "--memory"),
+    (["--cpu-memory", "abc"], "--cpu-memory"),
+    (["--cpu-memory", "12345678901234567890blocks"], "--cpu-memory"),
+    (["--block-size", "0"], "--block-size"),
+    (["--block-size", "2000"], "--block-size"),
+    (["--block-size", "sixteen"], "--block-size"),
+    (["--requests", "1000000000"], "--requests"),
+    (["--requests", "0"], "--requests"),
+    (["--rate", "nan"], "--rate"),
+    (["--rate", "0"], "--rate"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--check", "1.5"], "--check"),
+    (["--seed", "-5"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--blas-threads", "-1"], "--blas-threads"),
+    (["--json", "/nonexistent-folder-of-pagedattn/r.json"], "--json"),
+    (["--json", "."], "--json"),
+    (["--plot", "/nonexistent-folder-of-pagedattn/m.png"], "--plot"),
+    (["bench", "--reps", "0"], "--reps"),
+    (["bench", "--reps", "-3"], "--reps"),
+    (["bench", "--json", "/nonexistent-folder-of-pagedattn/b.json"], "--json"),
+    (["selfcheck", "--seed", "-5"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("args, option", BAD_COMMAND_LINES, ids=[" ".join(a) for a, _ in BAD_COMMAND_LINES])
+def test_bad_command_line_is_one_line_and_exit_code_2(args, option, tmp_path):
+    if args[0] not in ("bench", "selfcheck"):
+        args = ["--device", "cpu", "--requests", "4", *args] if "--requests" not in args else ["--device", "cpu", *args]
+    out = subprocess.run([sys.executable, "-m", "pagedattn", *args], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # no traceback, no usage block
+    assert "error:" in lines[0] and option in lines[0], lines[0]
+    assert "Traceback" not in out.stderr
+    # Nothing ran: no header, report or benchmark table, and no file written.
+    assert out.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_states_the_bounds():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for bound in (f"1 to {cli.MAX_REQUESTS}", f"at most {cli.MAX_POOL_MB} MB", f"1 to {cli.MAX_BLOCK_SIZE} on the CPU",
+                  "0 to 2^63 - 1"):  # fmt: skip
+        assert bound in text, bound
+    bench = run_cli("bench", "--device", "cpu", "--help")
+    assert "1 to 100000" in " ".join(bench.stdout.split())
+
+
+def test_cuda_block_size_is_checked_before_the_backend_is_built(monkeypatch, capsys):
+    parser = cli.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    args = parser.parse_args(["--requests", "4", "--block-size", "64", "--quiet"])
+    monkeypatch.setattr(cli, "_resolve_device", lambda device, lib: "cuda")
+    monkeypatch.setattr(cli, "make_backend", lambda *a: pytest.fail("the backend must not be built"))
+    assert cli.serve(args) == 2
+    err = capsys.readouterr().err
+    assert "--block-size" in err and "64" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_pool_that_cannot_be_allocated_is_a_clean_error(monkeypatch, capsys):
+    parser = cli.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    args = parser.parse_args(["--requests", "4", "--device", "cpu", "--quiet"])
+
+    def no_memory(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(cli, "Engine", no_memory)
+    assert cli.serve(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot allocate the KV pools" in err and "--memory" in err
 
 
 def test_selfcheck_command_still_works():

@@ -141,7 +141,8 @@ def _cuda_verdict(head_size: int, block_size: int):
     """None when the CUDA checks accept the sizes (on a build without CUDA: refused only for
     the missing backend), else the ValueError they raised."""
     try:
-        pagedattn.decode_plan(2, 8, 8, head_size, block_size, 4, "float16")
+        # The "nhd" layout takes any head size, so only the CUDA lists decide.
+        pagedattn.decode_plan(2, 8, 8, head_size, block_size, 4, "float16", layout="nhd")
     except ValueError as e:
         if "no CUDA backend" in str(e):
             return None

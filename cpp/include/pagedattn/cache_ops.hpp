@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "pagedattn/params.hpp"
 #include "pagedattn/supported.hpp"
 #include "pagedattn/tensor.hpp"
 
@@ -21,8 +20,10 @@ namespace pagedattn {
 //   block_mapping  int64 or int32 [P, 2] (src, dst), C-contiguous; in host memory, or
 //                  on the caches' GPU (then its entries cannot be checked before the
 //                  launch: out-of-range pairs are skipped by the kernel)
-// Destination blocks must not also be sources of another pair (pairs run in parallel
-// on CUDA). Asynchronous on `stream` for CUDA caches; no allocation, no host sync.
+// The mapping must not share memory with any cache. A host mapping is read once, into
+// a private copy, and checked: pairs in range (OutOfRange), no destination twice and no
+// destination that is the source of another pair (InvalidArgument naming the pair;
+// pairs run in parallel on CUDA). Asynchronous on `stream` for CUDA caches; no host sync.
 void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_mapping, void* stream = nullptr);
 
 // For every pair p: dst[mapping[p, 1]] = src[mapping[p, 0]].
@@ -30,35 +31,14 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
 //                  C-contiguous; any of: GPU -> pinned host, pinned host -> GPU,
 //                  GPU -> same GPU, host -> host. Pageable host memory works too, but
 //                  CUDA then copies synchronously.
-//   block_mapping  int64 or int32 [P, 2] in host memory (it is read on the host)
-// With a GPU involved the copies are queued on `stream` (consecutive pairs are merged
+//   block_mapping  int64 or int32 [P, 2] in host memory (it is read on the host, once,
+//                  into a private copy), sharing no memory with src or dst
+// src and dst are separate arrays or the very same one. No destination may appear twice;
+// when src is dst, no destination may be the source of another pair (InvalidArgument
+// naming the pair). With a GPU involved the copies are queued on `stream` (consecutive pairs are merged
 // into one copy) and the call returns without waiting.
 void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping,
                  void* stream = nullptr);
 
-
-// Parameters handed to the CUDA backend (validated).
-struct CopyBlocksParams {
-  std::vector<void*> arrays;              // base pointers
-  std::vector<std::int64_t> block_bytes;  // bytes of one block of each array
-  std::vector<std::int64_t> num_blocks;   // N of each array
-  const void* mapping = nullptr;          // [P, 2]
-  bool mapping_int64 = true;
-  bool mapping_on_host = true;
-  std::int64_t num_pairs = 0;
-  int device_id = 0;
-};
-
-struct SwapBlocksParams {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  std::int64_t block_bytes = 0;
-  std::int64_t src_blocks = 0;
-  std::int64_t dst_blocks = 0;
-  const void* mapping = nullptr;  // host [P, 2]
-  bool mapping_int64 = true;
-  std::int64_t num_pairs = 0;
-  int device_id = 0;  // the GPU involved
-};
 
 }  // namespace pagedattn

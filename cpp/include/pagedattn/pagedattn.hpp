@@ -5,7 +5,6 @@
 #include "pagedattn/block_manager.hpp"
 #include "pagedattn/cache_ops.hpp"
 #include "pagedattn/errors.hpp"
-#include "pagedattn/params.hpp"
 #include "pagedattn/supported.hpp"
 #include "pagedattn/tensor.hpp"
 #include "pagedattn/version.hpp"

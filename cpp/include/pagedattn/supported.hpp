@@ -9,26 +9,6 @@
 
 namespace pagedattn {
 
-// How the paged KV cache is laid out in memory; told apart by the rank of key_cache.
-enum class CacheLayout : std::uint8_t {
-  kVLLM,  // key [num_blocks, num_kv_heads, head_size/x, block_size, x],
-          //   x = supported::kCacheChunkBytes / elem size
-          // value [num_blocks, num_kv_heads, head_size, block_size]
-  kNHD,   // key and value [num_blocks, block_size, num_kv_heads, head_size]
-};
-
-// Element type stored in the KV cache. kAuto: the same dtype as the query / new keys.
-// The fp8 kinds store one byte per element (uint8 arrays) with a per-tensor scale:
-// real value = fp8 value * scale.
-enum class KVCacheDType : std::uint8_t { kAuto, kFp8E4M3, kFp8E5M2 };
-
-const char* layout_name(CacheLayout l) noexcept;
-const char* kv_cache_dtype_name(KVCacheDType k) noexcept;
-// Parses "vllm" / "nhd"; throws InvalidArgument naming `arg` otherwise.
-CacheLayout parse_layout(const std::string& s, const char* arg = "layout");
-// Parses "auto" / "fp8_e4m3" (alias "fp8") / "fp8_e5m2"; throws InvalidArgument otherwise.
-KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg = "kv_cache_dtype");
-
 namespace supported {
 
 // Floating dtypes of query, key, value and (with kv_cache_dtype "auto") the caches.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import re
 import sys
 from typing import Optional
@@ -18,22 +20,116 @@ from .model import ModelConfig
 from .report import Progress, format_report, plot_unavailable_reason, summarize, write_plot
 from .workload import WorkloadConfig
 
-__all__ = ["add_serve_arguments", "serve", "parse_memory", "build_config"]
+__all__ = [
+    "ArgumentParser", "add_serve_arguments", "serve", "parse_memory", "build_config", "int_in", "float_in",
+    "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED",
+]  # fmt: skip
 
 DEFAULT_MEMORY = "6MB"
+# Bounds of the command line, checked before any work starts.
+MAX_POOL_MB = 2**20  # a KV pool (device or host) of at most 1 TiB
+MAX_BLOCKS = 2**31 - 1  # block ids are int32
+MAX_REQUESTS = 100_000  # the workload is drawn up front: ~100 MB of requests at most
+MAX_RATE = 1e6
+MAX_BATCH = 65_536
+MAX_BLAS_THREADS = 1024
+MAX_SEED = 2**63 - 1
+MAX_BLOCK_SIZE = int(pagedattn.supported()["cpu_max_block_size"])
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: argument --x: ...`` and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def int_in(lo: int, hi: int):
+    """An argparse type: a whole number in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number in [{lo}, {hi}], got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected a whole number in [{lo}, {hi}], got {text}")
+        return v
+
+    return parse
+
+
+def float_in(lo: float, hi: float, *, lo_open: bool = False):
+    """An argparse type: a finite number in [lo, hi] (or (lo, hi] with lo_open)."""
+    where = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {where}, got {text!r}") from None
+        if not (math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi):
+            raise argparse.ArgumentTypeError(f"expected a number in {where}, got {text}")
+        return v
+
+    return parse
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path that can be written (checked now, written after the run)."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file to write")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
+
+
+_MEMORY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(mb|m|mib|blocks|block|b)?\s*")
+
+
+def _memory_parts(text: str) -> tuple[str, float | int]:
+    """('mb', MiB) or ('blocks', count) of a --memory value, bounds checked."""
+    m = _MEMORY.fullmatch(text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size like 4MB, 0.5 or 300blocks, got {text!r}")
+    number, unit = m.group(1), m.group(2) or "mb"
+    if unit.startswith("b"):
+        if "." in number and float(number) != int(float(number)):
+            raise argparse.ArgumentTypeError(f"a block count must be whole, got {text!r}")
+        count = int(float(number)) if "." in number else int(number)
+        if count > MAX_BLOCKS:
+            raise argparse.ArgumentTypeError(f"at most {MAX_BLOCKS} blocks, got {text!r}")
+        return "blocks", count
+    mb = float(number)
+    if mb > MAX_POOL_MB:
+        raise argparse.ArgumentTypeError(f"at most {MAX_POOL_MB} MB, got {text!r}")
+    return "mb", mb
+
+
+def memory_size(text: str) -> str:
+    """An argparse type: a --memory / --cpu-memory value, checked (converted in build_config)."""
+    _memory_parts(text)
+    return text
 
 
 def parse_memory(text: str, block_bytes: int) -> int:
-    """'4', '4MB', '0.5mb' -> blocks of block_bytes in that many MiB; '300blocks' / '300b' -> 300 blocks."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(mb|m|mib|blocks|block|b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a size like 4MB, 0.5 or 300blocks, got {text!r}")
-    value, unit = float(m.group(1)), m.group(2) or "mb"
-    if unit.startswith("b"):
-        if value != int(value):
-            raise argparse.ArgumentTypeError(f"a block count must be whole, got {text!r}")
+    """'4', '4MB', '0.5mb' -> blocks of block_bytes in that many MiB; '300blocks' / '300b' -> 300 blocks.
+
+    Raises argparse.ArgumentTypeError for a malformed size, more than MAX_POOL_MB MiB,
+    more than MAX_BLOCKS blocks, or blocks of block_bytes totalling more than MAX_POOL_MB.
+    """
+    unit, value = _memory_parts(text)
+    if unit == "blocks":
+        if value * block_bytes > MAX_POOL_MB * 2**20:
+            raise argparse.ArgumentTypeError(
+                f"{value} blocks of {block_bytes} bytes exceed {MAX_POOL_MB} MB, got {text!r}"
+            )
         return int(value)
-    return int(value * 2**20 // block_bytes)
+    return min(int(value * 2**20 // block_bytes), MAX_BLOCKS)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,20 +152,44 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="queries, keys, values and KV cache (auto: float16)",
     )
-    g.add_argument("--requests", type=int, default=WorkloadConfig.num_requests, help="number of requests")
-    g.add_argument("--rate", type=float, default=WorkloadConfig.rate, help="mean request arrivals per engine step")
+    g.add_argument(
+        "--requests",
+        type=int_in(1, MAX_REQUESTS),
+        default=WorkloadConfig.num_requests,
+        help=f"number of requests, 1 to {MAX_REQUESTS}",
+    )
+    g.add_argument(
+        "--rate",
+        type=float_in(0.0, MAX_RATE, lo_open=True),
+        default=WorkloadConfig.rate,
+        help=f"mean request arrivals per engine step, in (0, {MAX_RATE:g}]",
+    )
     g.add_argument(
         "--memory",
+        type=memory_size,
         default=DEFAULT_MEMORY,
-        help=f"device KV pool: MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); default {DEFAULT_MEMORY}",
+        help=f"device KV pool: MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); default {DEFAULT_MEMORY}; "
+        f"at most {MAX_POOL_MB} MB and {MAX_BLOCKS} blocks",
     )
     g.add_argument(
         "--cpu-memory",
+        type=memory_size,
         default=None,
-        help="host pool for swapped-out blocks, same units (default: 1/8 of --memory; 0 = no swapping)",
+        help="host pool for swapped-out blocks, same units and bounds (default: 1/8 of --memory; 0 = no swapping)",
     )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-batch", type=int, default=ServeConfig.max_batch, help="running sequences at most")
+    g.add_argument(
+        "--block-size",
+        type=int_in(1, MAX_BLOCK_SIZE),
+        default=16,
+        help=f"tokens per KV block, 1 to {MAX_BLOCK_SIZE} on the CPU; on CUDA one of "
+        f"{', '.join(map(str, pagedattn.supported()['cuda_block_sizes']))}",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int_in(1, MAX_BATCH),
+        default=ServeConfig.max_batch,
+        help=f"running sequences at most, 1 to {MAX_BATCH}",
+    )
     g.add_argument(
         "--preempt",
         choices=["auto", "swap", "recompute"],
@@ -79,21 +199,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument(
         "--check",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=1.0,
         metavar="SHARE",
         help="share of sequences checked against float64 attention at each step (default 1: all)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="0 to 2^63 - 1 (default 0)")
     g.add_argument(
         "--blas-threads",
-        type=int,
+        type=int_in(0, MAX_BLAS_THREADS),
         default=1,
         metavar="N",
-        help="threads of NumPy's OpenBLAS for the model's small matmuls (default 1; 0 = leave as is)",
+        help=f"threads of NumPy's OpenBLAS for the model's small matmuls (default 1; 0 = leave as is; "
+        f"at most {MAX_BLAS_THREADS})",
     )
-    g.add_argument("--plot", metavar="FILE.png", help="write KV memory in use over time (needs matplotlib)")
-    g.add_argument("--json", metavar="FILE", help="write the report (and the memory timeline) as JSON")
+    g.add_argument(
+        "--plot", type=output_file, metavar="FILE.png", help="write KV memory in use over time (needs matplotlib)"
+    )
+    g.add_argument(
+        "--json",
+        type=output_file,
+        metavar="FILE",
+        help="write the report (and the memory timeline) as JSON; its folder must exist",
+    )
     g.add_argument("--quiet", action="store_true", help="no header and no progress bar: only the report")
 
 
@@ -105,12 +233,23 @@ def _resolve_device(device: str, gpu_lib: str) -> str:
     return "cpu"
 
 
+def block_bytes_of(cfg: ServeConfig) -> int:
+    """Bytes of one KV block (all layers, keys and values)."""
+    return cfg.model.kv_bytes_per_token(itemsize_of(cfg.dtype)) * cfg.block_size
+
+
 def build_config(args: argparse.Namespace) -> ServeConfig:
     dtype = "float16" if args.dtype == "auto" else args.dtype
     model = ModelConfig()
     block_bytes = model.kv_bytes_per_token(itemsize_of(dtype)) * args.block_size
-    num_blocks = parse_memory(args.memory, block_bytes)
-    cpu = parse_memory(args.cpu_memory, block_bytes) if args.cpu_memory is not None else num_blocks // 8
+    try:
+        num_blocks = parse_memory(args.memory, block_bytes)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"argument --memory: {e}") from None
+    try:
+        cpu = parse_memory(args.cpu_memory, block_bytes) if args.cpu_memory is not None else num_blocks // 8
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"argument --cpu-memory: {e}") from None
     if not 0.0 <= args.check <= 1.0:
         raise ConfigError(f"--check must be in [0, 1], got {args.check}")
     return ServeConfig(
@@ -127,6 +266,12 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
     try:
         cfg = build_config(args)
         device = _resolve_device(args.device, args.gpu_lib)
+        cuda_sizes = pagedattn.supported()["cuda_block_sizes"]
+        if device == "cuda" and cfg.block_size not in cuda_sizes:
+            raise ConfigError(
+                f"argument --block-size: the CUDA kernels take one of {', '.join(map(str, cuda_sizes))}, "
+                f"got {cfg.block_size}"
+            )
         backend = make_backend(device, args.gpu_lib)
         if args.blas_threads > 0:
             limit_blas_threads(args.blas_threads)
@@ -137,6 +282,10 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
         engine = Engine(cfg, backend, progress=progress)
     except (ConfigError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=err)
+        return 2
+    except MemoryError:
+        pool_mb = (cfg.num_blocks + cfg.num_cpu_blocks) * block_bytes_of(cfg) / 2**20
+        print(f"error: cannot allocate the KV pools ({pool_mb:.0f} MB): lower --memory or --cpu-memory", file=err)
         return 2
     if not args.quiet:
         mc = cfg.model
@@ -183,7 +332,7 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedattn.demo.cli", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m pagedattn.demo.cli", description=__doc__.splitlines()[0])
     add_serve_arguments(p)
     return serve(p.parse_args(argv))
 

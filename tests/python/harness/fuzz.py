@@ -757,6 +757,18 @@ def _expected_rows(row: np.ndarray, kv: str, scale: float) -> list:
 # ---------------------------------------------------------------------------------------
 # kv_cache_shape
 # ---------------------------------------------------------------------------------------
+def _dtype_name(dtype: Any) -> str:
+    """The canonical name of a dtype given as a name, a NumPy dtype / scalar type or a torch dtype."""
+    if isinstance(dtype, str):
+        return dtype.replace("torch.", "")
+    if str(dtype).startswith("torch."):
+        return str(dtype)[len("torch.") :]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
 def fuzz_kv_cache_shape(d: Draw) -> Outcome:
     sizes = [0, 1, 2, 3, 16, 17, 64, 1024, 10**6, 2**31, 2**40, 2**62, -1, -(2**40)]
     n, b, k, h = (d.choice(sizes) for _ in range(4))
@@ -786,7 +798,7 @@ def fuzz_kv_cache_shape(d: Draw) -> Outcome:
         _fail(label, f"raised {type(e).__name__}: {e}")
     # Accepted: the result must be right.
     ints = [int(v) for v in (n, b, k, h)]
-    name = pagedattn._arrays.dtype_name(dtype)
+    name = _dtype_name(dtype)
     size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(name, 1)
     if min(ints[1:]) <= 0 or ints[0] < 0 or layout not in ("vllm", "nhd"):
         _fail(label, f"accepted bad sizes or layout: {res}")

@@ -8,7 +8,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "pagedattn/attention.hpp"
 #include "pagedattn/supported.hpp"
 #include "pagedattn/tensor.hpp"
 
@@ -44,7 +46,7 @@ struct DecodeParams {
   CacheLayout layout = CacheLayout::kVLLM;
 
   // Backend hints (CUDA): 0 = choose, 1 = single pass, 2 = partitioned + reduce.
-  int version = 0;
+  DecodeKernel kernel = DecodeKernel::kAuto;
   int partition_size = 0;       // tokens per partition for v2; 0 = default
   void* workspace = nullptr;    // caller-provided device scratch for v2, or null
   std::size_t workspace_bytes = 0;
@@ -82,5 +84,29 @@ struct CacheWriteParams {
 inline std::size_t cache_elem_size(DType dtype, KVCacheDType kv) noexcept {
   return kv == KVCacheDType::kAuto ? dtype_size(dtype) : 1;
 }
+
+// copy_blocks / swap_blocks parameters handed to the CUDA backend (validated).
+struct CopyBlocksParams {
+  std::vector<void*> arrays;              // base pointers
+  std::vector<std::int64_t> block_bytes;  // bytes of one block of each array
+  std::vector<std::int64_t> num_blocks;   // N of each array
+  const void* mapping = nullptr;          // [P, 2]
+  bool mapping_int64 = true;
+  bool mapping_on_host = true;
+  std::int64_t num_pairs = 0;
+  int device_id = 0;
+};
+
+struct SwapBlocksParams {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::int64_t block_bytes = 0;
+  std::int64_t src_blocks = 0;
+  std::int64_t dst_blocks = 0;
+  const void* mapping = nullptr;  // host [P, 2]
+  bool mapping_int64 = true;
+  std::int64_t num_pairs = 0;
+  int device_id = 0;  // the GPU involved
+};
 
 }  // namespace pagedattn
