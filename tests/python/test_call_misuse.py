@@ -192,7 +192,7 @@ def test_copy_and_swap_refuse_read_only_destinations_in_the_core(rng):
     k = rng.standard_normal((6, 4, 8)).astype(np.float32)
     ro = k.copy()
     ro.flags.writeable = False
-    with pytest.raises(ValueError, match=r"key_caches\[0\]: the array is read-only"):
+    with pytest.raises(ValueError, match=r"caches\[0\]: the array is read-only"):
         pagedattn.copy_blocks([ro], [], [(0, 1)])
     with pytest.raises(ValueError, match="dst: the array is read-only"):
         pagedattn.swap_blocks(k, ro, [(0, 1)])
