@@ -144,10 +144,11 @@ int CallArrays::add(nb::handle obj, const char* name, bool written) {
   if (api == nullptr || !exchange::convert(api, obj.ptr(), &v, &owned)) {
     api = nullptr;
     nb::handle src = obj;
-    bool bf16 = false, capsule_read_only = false;
+    bool bf16 = false, capsule_read_only = false, from_capsule = false;
     if (!is_numpy(obj)) {
       keep_[i] = dlpack_capsule(obj, name, &capsule_read_only);
-      if (keep_[i].is_valid()) src = keep_[i];
+      from_capsule = keep_[i].is_valid();
+      if (from_capsule) src = keep_[i];
     }
     if (!cast_ndarray(src, &nd)) {
       // NumPy has no bfloat16 of its own: ml_dtypes' bfloat16 arrays reach the core as
@@ -160,7 +161,9 @@ int CallArrays::add(nb::handle obj, const char* name, bool written) {
     }
     v = to_view(nd);
     if (bf16) v.dtype = DType::kBFloat16;
-    if (written) v.read_only = capsule_read_only || buffer_read_only(obj);
+    // Writability: from the capsule when the array came as one, else from the buffer
+    // protocol (a type may offer a buffer slot that always refuses, as CuPy's does).
+    if (written) v.read_only = from_capsule ? capsule_read_only : buffer_read_only(obj);
   }
   if (v.dtype == DType::kOther) {
     exchange::release(owned);
