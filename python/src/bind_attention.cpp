@@ -126,29 +126,64 @@ constexpr const char* kDecodeDoc =
     "`out` when given, else a new array of the query's kind, dtype and device. Any DLPack\n"
     "array works (NumPy, PyTorch, CuPy, JAX), on the CPU or one CUDA device.";
 
+// The eager decode call from Python (see bind_attention for why it is a plain function).
+PyObject* paged_attention_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
+  static const char* const kNames[] = {"query", "key_cache", "value_cache", "block_tables", "seq_lens"};
+  try {
+    const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs > 5)
+      fail<TypeMismatch>("paged_attention() takes 5 positional arguments (query, key_cache, value_cache, "
+                         "block_tables, seq_lens) but ", nargs, " were given");
+    nb::handle arrays[5];
+    for (Py_ssize_t i = 0; i < nargs; ++i) arrays[i] = args[i];
+    CallKeywords kw;
+    kw.out = kw.alibi_slopes = kw.workspace = kw.stream = nb::none();
+    const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; ++j) {
+      PyObject* key = PyTuple_GET_ITEM(kwnames, j);
+      int slot = -1;
+      for (int i = 0; i < 5 && slot < 0; ++i)
+        if (PyUnicode_CompareWithASCIIString(key, kNames[i]) == 0) slot = i;
+      if (slot < 0) {
+        set_keyword("paged_attention", kDecodeCall, key, args[nargs + j], &kw);
+      } else {
+        if (arrays[slot].is_valid())
+          fail<TypeMismatch>("paged_attention() got multiple values for argument '", kNames[slot], "'");
+        arrays[slot] = args[nargs + j];
+      }
+    }
+    for (int i = 0; i < 5; ++i)
+      if (!arrays[i].is_valid())
+        fail<TypeMismatch>("paged_attention() missing required argument '", kNames[i], "'");
+    CallArrays a;
+    const int out = convert_decode(a, arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], kw);
+    {
+      nb::gil_scoped_release release;
+      paged_attention(a[out], a[kQuery], a[kKeyCache], a[kValueCache], a[kBlockTables], a[kSeqLens], kw.options);
+    }
+    return a.result(out).release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception(), /*all=*/true);
+    return nullptr;
+  }
+}
+
 }  // namespace
 
 void bind_attention(nb::module_& m) {
-  static const std::string decode_sig = detail::concat(
-      "def paged_attention(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, ",
-      keyword_signature(kDecodeCall), ") -> Any");
-  static const std::string decode_doc = doc(kDecodeDoc, kDecodeCall);
-  m.def(
-      "paged_attention",
-      [](nb::handle query, nb::handle key_cache, nb::handle value_cache, nb::handle block_tables, nb::handle seq_lens,
-         nb::kwargs kwargs) -> nb::object {
-        CallKeywords kw;
-        parse_keywords("paged_attention", kDecodeCall, kwargs, &kw);
-        CallArrays a;
-        const int out = convert_decode(a, query, key_cache, value_cache, block_tables, seq_lens, kw);
-        {
-          nb::gil_scoped_release release;
-          paged_attention(a[out], a[kQuery], a[kKeyCache], a[kValueCache], a[kBlockTables], a[kSeqLens], kw.options);
-        }
-        return a.result(out);
-      },
-      "query"_a, "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a, "kwargs"_a,
-      nb::sig(decode_sig.c_str()), decode_doc.c_str());
+  // paged_attention is a plain METH_FASTCALL | METH_KEYWORDS function: arguments come
+  // straight from the vectorcall, with no argument tuple or keyword dict built for them
+  // (the per-call host cost of an eager decode).
+  static const std::string decode_doc = detail::concat(
+      "paged_attention($module, query, key_cache, value_cache, block_tables, seq_lens, ",
+      keyword_text_signature(kDecodeCall), ")\n--\n\n", doc(kDecodeDoc, kDecodeCall));
+  static PyMethodDef decode_def = {"paged_attention", reinterpret_cast<PyCFunction>(
+                                                          reinterpret_cast<void (*)()>(&paged_attention_fastcall)),
+                                   METH_FASTCALL | METH_KEYWORDS, decode_doc.c_str()};
+  nb::object module_name = m.attr("__name__");
+  PyObject* decode_fn = PyCFunction_NewEx(&decode_def, m.ptr(), module_name.ptr());
+  if (decode_fn == nullptr) throw nb::python_error();
+  m.attr("paged_attention") = nb::steal(decode_fn);
 
   static const std::string prepared_sig = detail::concat(
       "def __init__(self, query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, ",

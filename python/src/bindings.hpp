@@ -3,9 +3,15 @@
 
 #include <nanobind/nanobind.h>
 
+#include <exception>
+
 namespace pagedattn::py {
 
-void bind_errors(nanobind::module_& m);         // errors.cpp: the one C++ -> Python exception translation
+void bind_errors(nanobind::module_& m);
+// Sets the Python error for the library exception in `p` (errors.hpp's types); with `all`,
+// for any exception (Python errors restored, bad_alloc as MemoryError, others as
+// RuntimeError), else rethrows the others. For functions called without nanobind's dispatch.
+bool set_python_error(const std::exception_ptr& p, bool all);         // errors.cpp: the one C++ -> Python exception translation
 
 void bind_attention(nanobind::module_& m);      // bind_attention.cpp
 void bind_block_manager(nanobind::module_& m);  // bind_block_manager.cpp

@@ -120,25 +120,34 @@ const char* str_arg(nb::handle v, const char* name) {
   fail<TypeMismatch>(name, ": expected a str, got ", what_is(v));
 }
 
+void set_keyword(const char* fn, unsigned set, PyObject* key, nb::handle value, CallKeywords* out) {
+  const char* name = PyUnicode_AsUTF8(key);
+  if (name == nullptr) {
+    PyErr_Clear();
+    fail<TypeMismatch>(fn, "(): keywords must be strings");
+  }
+  for (const Keyword& k : kKeywords)
+    if (std::strcmp(k.name, name) == 0 && (k.sets & set) != 0) {
+      k.set(*out, value, k.name);
+      return;
+    }
+  fail<TypeMismatch>(fn, "() got an unexpected keyword argument '", name, "'");
+}
+
 void parse_keywords(const char* fn, unsigned set, nb::handle kwargs, CallKeywords* out) {
   out->out = out->alibi_slopes = out->workspace = out->stream = nb::none();
   if (!kwargs.is_valid() || kwargs.is_none()) return;
   PyObject* key = nullptr;
   PyObject* value = nullptr;
   Py_ssize_t pos = 0;
-  while (PyDict_Next(kwargs.ptr(), &pos, &key, &value)) {
-    const char* name = PyUnicode_AsUTF8(key);
-    if (name == nullptr) {
-      PyErr_Clear();
-      fail<TypeMismatch>(fn, "(): keywords must be strings");
-    }
-    const Keyword* hit = nullptr;
-    for (const Keyword& k : kKeywords)
-      if (std::strcmp(k.name, name) == 0) hit = &k;
-    if (hit == nullptr || (hit->sets & set) == 0)
-      fail<TypeMismatch>(fn, "() got an unexpected keyword argument '", name, "'");
-    hit->set(*out, nb::handle(value), hit->name);
-  }
+  while (PyDict_Next(kwargs.ptr(), &pos, &key, &value)) set_keyword(fn, set, key, nb::handle(value), out);
+}
+
+std::string keyword_text_signature(unsigned set) {
+  std::string s = "*";
+  for (const Keyword& k : kKeywords)
+    if (k.sets & set) s += detail::concat(", ", k.name, "=", k.default_value);
+  return s;
 }
 
 std::string keyword_signature(unsigned set) {

@@ -38,6 +38,11 @@ std::int64_t int64_arg(nb::handle v, const char* name);
 int int_arg(nb::handle v, const char* name);  // int32 range
 const char* str_arg(nb::handle v, const char* name);
 
+// One keyword of a call of `fn` into `out` (the vectorcall form: no keyword dict).
+void set_keyword(const char* fn, unsigned set, PyObject* key, nb::handle value, CallKeywords* out);
+// "*, name=default, ...": the keywords of `set` for a __text_signature__.
+std::string keyword_text_signature(unsigned set);
+
 // "*, name: type = default, ..." for the keywords of `set`, and their documentation lines.
 std::string keyword_signature(unsigned set);
 std::string keyword_docs(unsigned set);

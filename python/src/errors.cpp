@@ -9,10 +9,46 @@ namespace pagedattn::py {
 
 namespace nb = nanobind;
 
+namespace {
+// Created once per process (the module is initialised once) and owned by the module from
+// then on; the translation reads it through this pointer.
+PyObject* out_of_blocks = nullptr;
+}  // namespace
+
+bool set_python_error(const std::exception_ptr& p, bool all) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const TypeMismatch& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const OutOfRange& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const NotSupported& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const CudaError& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (const OutOfBlocks& e) {
+    PyErr_SetString(out_of_blocks, e.what());
+  } catch (const UnknownSequence& e) {
+    PyErr_SetString(PyExc_KeyError, e.what());
+  } catch (nb::python_error& e) {
+    if (!all) throw;
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    if (!all) throw;
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    if (!all) throw;
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    if (!all) throw;
+    PyErr_SetString(PyExc_RuntimeError, "pagedattn: unknown C++ exception");
+  }
+  return true;
+}
+
 void bind_errors(nb::module_& m) {
-  // Created once per process (the module is initialised once) and owned by the module from
-  // then on; the translator reads it through this pointer.
-  static PyObject* out_of_blocks = nullptr;
   out_of_blocks = PyErr_NewExceptionWithDoc(
       "pagedattn._core.OutOfBlocksError",
       "Raised when the block pool (or the CPU pool, or the watermark) cannot serve a request.\n"
@@ -21,25 +57,7 @@ void bind_errors(nb::module_& m) {
   if (!out_of_blocks) throw nb::python_error();
   m.attr("OutOfBlocksError") = nb::handle(out_of_blocks);
 
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const TypeMismatch& e) {
-      PyErr_SetString(PyExc_TypeError, e.what());
-    } catch (const OutOfRange& e) {
-      PyErr_SetString(PyExc_IndexError, e.what());
-    } catch (const NotSupported& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const CudaError& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    } catch (const OutOfBlocks& e) {
-      PyErr_SetString(out_of_blocks, e.what());
-    } catch (const UnknownSequence& e) {
-      PyErr_SetString(PyExc_KeyError, e.what());
-    }
-  });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) { set_python_error(p, false); });
 }
 
 }  // namespace pagedattn::py

@@ -8,6 +8,7 @@ test, not kill the test run.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -200,3 +201,18 @@ def test_copy_and_swap_refuse_read_only_destinations_in_the_core(rng):
     # Lists of pairs become int64 arrays in the core; a bad list is named.
     with pytest.raises(TypeError, match="block_mapping: the pairs are not integers"):
         pagedattn.copy_blocks([k.copy()], [], [("a", "b")])
+
+
+def test_arrays_by_keyword_and_argument_count_errors(rng):
+    p = make_problem(rng, [3, 20])
+    q, kc, vc, bt, sl = p.args()
+    ref = paged_attention_ref(*p.args())
+    assert_close(pagedattn.paged_attention(q, kc, vc, seq_lens=sl, block_tables=bt), ref, np.float32)
+    with pytest.raises(TypeError, match="paged_attention\\(\\) missing required argument 'seq_lens'"):
+        pagedattn.paged_attention(q, kc, vc, bt)
+    with pytest.raises(TypeError, match="got multiple values for argument 'query'"):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, query=q)
+    with pytest.raises(TypeError, match="takes 5 positional arguments"):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, None)
+    sig = str(inspect.signature(pagedattn.paged_attention))
+    assert sig.startswith("(query, key_cache, value_cache, block_tables, seq_lens, *, out=None,"), sig
