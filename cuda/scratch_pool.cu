@@ -12,9 +12,12 @@
 namespace pagedattn::cuda_backend {
 namespace {
 
-// The stream's pool buffer with at least `bytes`, or null when it is smaller and the
-// stream is being captured (no allocation may happen then outside the stream's order).
+// The stream's pool buffer with at least `bytes`; null while the stream is being
+// captured. A captured graph never points into the pool: a later eager call that grows
+// the pool frees the old buffer, and a graph replayed after that would use freed memory.
+// Captures take stream-ordered scratch instead, which the graph owns.
 void* pool_buffer(int device, cudaStream_t stream, std::size_t bytes) {
+  if (stream_is_capturing(stream)) return nullptr;
   struct Buffer {
     void* ptr = nullptr;
     std::size_t bytes = 0;
@@ -24,7 +27,6 @@ void* pool_buffer(int device, cudaStream_t stream, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu);
   Buffer& b = pools[std::make_pair(device, stream)];
   if (b.bytes >= bytes) return b.ptr;
-  if (stream_is_capturing(stream)) return nullptr;
   if (b.ptr) check_cuda(cudaFree(b.ptr), "cudaFree");  // synchronises: in-flight users finish first
   b.ptr = nullptr;
   b.bytes = 0;
@@ -41,10 +43,9 @@ CallScratch::CallScratch(int device, cudaStream_t stream, std::size_t bytes) : s
   if (ptr_ != nullptr) return;
   if (!device_info(device).memory_pools)
     fail<InvalidArgument>("paged_attention: the partitioned kernel needs ", bytes,
-                          " bytes of scratch, more than this stream's pool holds, and this device cannot allocate "
-                          "during CUDA graph capture (no stream-ordered allocator); pass workspace= (a uint8 "
-                          "device array of decode_workspace_size(...) bytes) or run the same shapes once on the "
-                          "capture stream before capturing");
+                          " bytes of scratch, and this device cannot allocate during CUDA graph capture (no "
+                          "stream-ordered allocator); pass workspace= (a uint8 device array of "
+                          "decode_workspace_size(...) bytes)");
   check_cuda(cudaMallocAsync(&ptr_, bytes, stream), "cudaMallocAsync (paged_attention scratch, graph capture)");
   stream_ordered_ = true;
 }

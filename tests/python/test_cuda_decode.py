@@ -528,3 +528,35 @@ def test_automatic_plan_fills_the_gpu():
     assert plan(1, 32, 8, 128, 4096, kernel="single_pass")["num_partitions"] == 1
     assert plan(1, 32, 8, 128, 4096)["workspace_bytes"] == pagedattn.decode_workspace_size(
         1, 32, 8, 128, 16, 256, "bfloat16")  # fmt: skip
+
+
+def test_graph_replay_after_the_pool_grows(rng):
+    """A graph captured on a stream whose pool already fits the call, replayed after an
+    eager call on the same stream grew (freed and replaced) that pool: the graph owns its
+    scratch, so the replay is right and memory allocated since is left alone."""
+    S, H, K, D, B, M = 4, 32, 2, 128, 16, 128
+    dt = NP_DTYPES["bfloat16"]
+    p = make_problem(rng, [2048, 1, 700, 2000], num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt,
+                     num_blocks=S * M + 4, pad_blocks=0)  # fmt: skip
+    q, kc, vc, bt, sl = (to_torch(a) for a in p.args())
+    out = torch.empty_like(q)
+    kw = dict(out=out, kernel="partitioned", partition_size=64)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)  # the pool now fits this call
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            pagedattn.paged_attention(q, kc, vc, bt, sl, **kw)
+        # A much larger partitioned call on the same stream grows the pool.
+        big = make_problem(rng, [8192] * 16, num_heads=H, num_kv_heads=K, head_size=D, block_size=B, dtype=dt)
+        big_args = [to_torch(a) for a in big.args()]
+        big_out = pagedattn.paged_attention(*big_args, kernel="partitioned", partition_size=16)
+        s.synchronize()
+        assert_close(to_numpy(big_out), paged_attention_ref(*big.args()), dt, "large eager call")
+        canaries = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # may reuse freed memory
+        out.fill_(float("nan"))
+        g.replay()
+        s.synchronize()
+    assert_close(to_numpy(out), paged_attention_ref(*p.args()), dt, "replay after the pool grew")
+    assert all(bool((c == 7.0).all()) for c in canaries), "a replay wrote into memory the pool had freed"
