@@ -57,6 +57,7 @@ struct PreparedCall {
   int out = -1;
 
   nb::object run(nb::handle stream) const {
+    if (!call) fail<InvalidArgument>("PreparedDecode: this prepared call was cleared by the garbage collector");
     if (stream.is_none()) {
       nb::gil_scoped_release release;
       call->run();
@@ -68,6 +69,27 @@ struct PreparedCall {
     return arrays->result(out);
   }
 };
+
+// A prepared call holds Python objects (its arrays), so it takes part in garbage
+// collection: a cycle through it (an array whose attributes refer back to the call) is
+// collected instead of leaking.
+int prepared_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  const PreparedCall* p = nb::inst_ptr<PreparedCall>(self);
+  return p->arrays ? p->arrays->traverse(visit, arg) : 0;
+}
+
+int prepared_clear(PyObject* self) {
+  PreparedCall* p = nb::inst_ptr<PreparedCall>(self);
+  p->call.reset();
+  p->arrays.reset();
+  return 0;
+}
+
+PyType_Slot prepared_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(&prepared_traverse)},
+                                {Py_tp_clear, reinterpret_cast<void*>(&prepared_clear)},
+                                {0, nullptr}};
 
 DType dtype_arg(nb::handle dtype, const char* name) {
   std::string text;
@@ -188,7 +210,7 @@ void bind_attention(nb::module_& m) {
   static const std::string prepared_sig = detail::concat(
       "def __init__(self, query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, ",
       keyword_signature(kDecodeCall), ") -> None");
-  nb::class_<PreparedCall>(m, "PreparedDecode",
+  nb::class_<PreparedCall>(m, "PreparedDecode", nb::type_slots(prepared_slots),
                            "A paged_attention call validated once and launched many times with run().\n\n"
                            "It holds every array of the call (not copies): change the contents of query,\n"
                            "block_tables, seq_lens and the caches in place between runs, never their shapes.\n"
@@ -204,6 +226,7 @@ void bind_attention(nb::module_& m) {
             auto arrays = std::make_unique<CallArrays>();
             CallArrays& a = *arrays;
             const int out = convert_decode(a, query, key_cache, value_cache, block_tables, seq_lens, kw);
+            a.keep_only_numpy_objects();
             PreparedCall* p = new (self) PreparedCall{std::move(arrays), std::nullopt, out};
             try {
               p->call.emplace(a[out], a[kQuery], a[kKeyCache], a[kValueCache], a[kBlockTables], a[kSeqLens],
@@ -219,7 +242,11 @@ void bind_attention(nb::module_& m) {
            "Launches the prepared decode (on `stream`, else the one resolved when prepared); returns out.")
       .def("__call__", &PreparedCall::run, "stream"_a = nb::none(), "Same as run().")
       .def_prop_ro(
-          "out", [](const PreparedCall& self) { return self.arrays->result(self.out); },
+          "out",
+          [](const PreparedCall& self) {
+            if (!self.arrays) fail<InvalidArgument>("PreparedDecode: this prepared call was cleared");
+            return self.arrays->result(self.out);
+          },
           "The output array the runs write.");
 
   static const std::string write_sig = detail::concat(

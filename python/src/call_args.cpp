@@ -233,6 +233,14 @@ int CallArrays::add_empty_like(int like, const char* name) {
   return i;
 }
 
+void CallArrays::keep_only_numpy_objects() {
+  for (int i = 0; i < n_; ++i)
+    if (owned_[i] == nullptr && apis_[i] == nullptr && is_numpy(objects_[i])) {
+      nd_[i] = AnyArray();
+      keep_[i] = nb::object();
+    }
+}
+
 nb::object CallArrays::result(int i) const {
   if (i == jax_result_) return nb::module_::import_("jax.numpy").attr("asarray")(objects_[i]);
   return objects_[i];

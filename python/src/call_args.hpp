@@ -49,6 +49,21 @@ class CallArrays {
   // immutable framework's host array (JAX), that framework's array of the result.
   nb::object result(int i) const;
 
+  // Drops what conversion holds besides the caller's objects where those alone keep the
+  // memory alive (NumPy arrays, whose export never copies): then every reference this
+  // object holds is one traverse() visits, so a cycle through it can be collected.
+  void keep_only_numpy_objects();
+
+  // Visits the Python objects held (for the garbage collector of an object that owns
+  // this: a prepared call).
+  int traverse(visitproc visit, void* arg) const {
+    for (int i = 0; i < n_; ++i) {
+      Py_VISIT(objects_[i].ptr());
+      Py_VISIT(keep_[i].ptr());
+    }
+    return 0;
+  }
+
   // The CUDA stream of the call: `stream` as given (an int handle, or an object with
   // __cuda_stream__ or a cuda_stream / ptr / handle attribute), else, for arrays on a GPU,
   // the current stream that array `like`'s framework reports for its device (null: the

@@ -216,3 +216,24 @@ def test_arrays_by_keyword_and_argument_count_errors(rng):
         pagedattn.paged_attention(q, kc, vc, bt, sl, None)
     sig = str(inspect.signature(pagedattn.paged_attention))
     assert sig.startswith("(query, key_cache, value_cache, block_tables, seq_lens, *, out=None,"), sig
+
+
+def test_a_cycle_through_a_prepared_call_is_collected(rng):
+    """The prepared call holds its arrays; an array that refers back to the call makes a
+    cycle, which the garbage collector must still free (no leak at exit)."""
+    import gc
+
+    freed = []
+
+    class Out(np.ndarray):
+        def __del__(self):
+            freed.append(True)
+
+    p = make_problem(rng, [3, 20])
+    out = np.full(p.query.shape, np.nan, np.float32).view(Out)
+    prepared = pagedattn.prepare_decode(*p.args(), out=out)
+    out.owner = prepared  # out -> prepared call -> out
+    assert_close(np.asarray(prepared.run()), paged_attention_ref(*p.args()), np.float32)
+    del out, prepared
+    gc.collect()
+    assert freed, "the cycle through the prepared call was not collected"
