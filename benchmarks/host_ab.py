@@ -15,19 +15,7 @@ import time
 import numpy as np
 
 import pagedattn
-
-
-def problem(rng):
-    s, h, d, b, length = 5, 12, 64, 16, 196
-    nb = s * (-(-length // b))
-    kshape, vshape = pagedattn.kv_cache_shape(nb, b, h, d, np.float16)
-    return dict(
-        query=rng.standard_normal((s, h, d)).astype(np.float16),
-        key_cache=rng.standard_normal(kshape).astype(np.float16),
-        value_cache=rng.standard_normal(vshape).astype(np.float16),
-        block_tables=np.arange(nb, dtype=np.int32).reshape(s, -1),
-        seq_lens=np.full(s, length, np.int32),
-    )
+from pagedattn.bench.host_cost import _problem as problem  # the shape host_cost.py times
 
 
 def median_us(fn, calls, busy=None):

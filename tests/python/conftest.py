@@ -145,3 +145,17 @@ def pytest_report_header(config):
 def rng(request):
     # Each test mixes its own name into the session's seed, so tests draw different inputs.
     return np.random.default_rng([BASE_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+class DLPackOnly:
+    """An array that offers only the DLPack protocol: no exchange table, no buffer, no
+    attributes of its framework (the conversion takes the ``__dlpack__`` path)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()

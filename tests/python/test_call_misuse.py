@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import assert_close, make_problem
+from conftest import DLPackOnly, assert_close, make_problem
 from pagedattn.reference import paged_attention_ref
 
 
@@ -102,17 +102,6 @@ for _ in range(3):
 print("ok")
 """
     )
-
-
-class DLPackOnly:
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, *args, **kwargs):
-        return self.a.__dlpack__(*args, **kwargs)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
 
 
 def test_dlpack_only_query_without_out_gets_a_numpy_output(rng):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pagedattn
-from conftest import BF16, DTYPE_NAMES, LAYOUTS, assert_close, make_problem
+from conftest import BF16, DTYPE_NAMES, LAYOUTS, DLPackOnly, assert_close, make_problem
 from pagedattn import _core
 from pagedattn.reference import paged_attention_ref
 
@@ -28,19 +28,6 @@ def to_torch(a):
     if BF16 is not None and a.dtype == BF16:
         return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-class DLPackOnly:
-    """An array offering only the DLPack protocol (no exchange table, no buffer)."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, *args, **kwargs):
-        return self.a.__dlpack__(*args, **kwargs)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
 
 
 @pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
