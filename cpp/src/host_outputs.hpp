@@ -8,6 +8,8 @@
 #include <initializer_list>
 #include <iterator>
 #include <limits>
+
+#include "checked_math.hpp"
 #include <vector>
 
 #include "pagedattn/errors.hpp"
@@ -63,29 +65,8 @@ struct ByteRange {
   const char* name = "";
 };
 
-// a * b and a + b, or false on int64 overflow.
-inline bool mul_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
-#if defined(__GNUC__) || defined(__clang__)
-  return !__builtin_mul_overflow(a, b, r);
-#else
-  const std::int64_t m = std::numeric_limits<std::int64_t>::max();
-  if (a != 0 && (b == std::numeric_limits<std::int64_t>::min() || (b < 0 ? -b : b) > m / (a < 0 ? -a : a)))
-    return false;
-  *r = a * b;
-  return true;
-#endif
-}
-inline bool add_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
-#if defined(__GNUC__) || defined(__clang__)
-  return !__builtin_add_overflow(a, b, r);
-#else
-  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
-      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b))
-    return false;
-  *r = a + b;
-  return true;
-#endif
-}
+using detail::add_ok;
+using detail::mul_ok;
 
 inline ByteRange byte_range(const void* data, std::int64_t n, std::size_t elem, const char* name) {
   if (data == nullptr || n <= 0) return ByteRange{0, 0, name};

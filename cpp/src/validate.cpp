@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "validate.hpp"
+#include "checked_math.hpp"
 #include "cuda_backend.hpp"
 #include "decode_planner.hpp"
 #include "device_checks.hpp"
@@ -92,27 +93,8 @@ std::string strides_str(const TensorView& t) {
                         " spans more than 2^63 bytes");
 }
 
-// a * b and a + b, or false on int64 overflow (GCC and Clang: one flag test, no division).
-bool mul_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
-#if defined(__GNUC__) || defined(__clang__)
-  return !__builtin_mul_overflow(a, b, r);
-#else
-  if (a != 0 && std::llabs(b) > std::numeric_limits<std::int64_t>::max() / std::llabs(a)) return false;
-  *r = a * b;
-  return true;
-#endif
-}
-bool add_ok(std::int64_t a, std::int64_t b, std::int64_t* r) {
-#if defined(__GNUC__) || defined(__clang__)
-  return !__builtin_add_overflow(a, b, r);
-#else
-  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
-      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b))
-    return false;
-  *r = a + b;
-  return true;
-#endif
-}
+using detail::add_ok;
+using detail::mul_ok;
 
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const TensorView& t, const char* name) {
   std::int64_t r = 0;
