@@ -67,16 +67,17 @@ auto named(const char* what, F f) {
 DecodeParams query_params(const char* what, const DecodeShape& shape, const AttentionOptions& options) {
   return named(what, [&] {
     check_decode_shape(shape, DeviceKind::kCUDA, options);
-    detail::check_cuda_decode_limits(decode_params_of(shape, options), nullptr);
+    const DecodeParams p = decode_params_of(shape, options);
+    detail::check_cuda_decode_limits(p, nullptr);
     if (!built_with_cuda())
       fail<NotSupported>("this build of pagedattn has no CUDA backend (built without nvcc)");
-  const int devices = cuda_backend::device_count();
-  if (shape.device_id < 0 || shape.device_id >= devices)
-    fail<NotSupported>("device: ", shape.device_id, " is not a usable CUDA device (",
-                       devices == 0 ? std::string("no CUDA device or driver is available")
-                                    : detail::concat(devices, " device(s) visible"),
-                       ")");
-    return decode_params_of(shape, options);
+    const int devices = cuda_backend::device_count();
+    if (shape.device_id < 0 || shape.device_id >= devices)
+      fail<NotSupported>("device: ", shape.device_id, " is not a usable CUDA device (",
+                         devices == 0 ? std::string("no CUDA device or driver is available")
+                                      : detail::concat(devices, " device(s) visible"),
+                         ")");
+    return p;
   });
 }
 
