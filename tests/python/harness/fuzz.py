@@ -1222,6 +1222,7 @@ def _check_bm_result(label: str, m: Any, name: str, result: Any) -> None:
 # ---------------------------------------------------------------------------------------
 EXTREME_INTS = [2**31 - 1, -(2**31), 2**31, 2**63 - 1, -(2**63), 2**64, -1, 0]
 RACE_VALUES = [2**31 - 1, -(2**31), -1, 0, 1]
+FORK_TIMEOUT_S = 60.0  # a forked child still running after this is a hang
 
 
 def _race(d: Draw, arrays: list, call: Callable[[], Any], label: str) -> int:
@@ -1338,7 +1339,7 @@ def fuzz_fork(d: Draw) -> Outcome:
             code = 3
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60.0
+    deadline = time.monotonic() + FORK_TIMEOUT_S
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -1346,7 +1347,7 @@ def fuzz_fork(d: Draw) -> Outcome:
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            _fail("fork", "the forked child hung (killed after 60 s)")
+            _fail("fork", f"the forked child hung (killed after {FORK_TIMEOUT_S:g} s)")
         time.sleep(0.0005)
     if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         _fail("fork", f"the forked child failed: wait status {status} (3 = wrong answer or exception)")
