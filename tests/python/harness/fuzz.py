@@ -1511,8 +1511,8 @@ def fuzz_cache_mappings(d: Draw) -> Outcome:
 def fuzz_extreme_ints(d: Draw) -> Outcome:
     """One integer argument set to an extreme value: a typed error, or a correct answer."""
     v = d.choice(EXTREME_INTS)
-    which = d.choice(["kv_cache_shape", "decode_workspace_size", "partition_size", "block id", "seq_len",
-                      "slot", "block_manager"])  # fmt: skip
+    which = d.choice(["kv_cache_shape", "decode_workspace_size", "decode_plan", "partition_size", "block id",
+                      "seq_len", "slot", "block_manager"])  # fmt: skip
     allowed = TYPED + (OverflowError,)
     if which == "kv_cache_shape":
         args = [4, 16, 2, 64]
@@ -1529,18 +1529,27 @@ def fuzz_extreme_ints(d: Draw) -> Outcome:
         if any(x < 0 for s in r for x in s) or n[0] != math.prod(args):
             _fail(label, f"returned {r!r}")
         return Outcome("extreme_ints", "ok", label)
-    if which == "decode_workspace_size":
-        args = [4, 8, 8, 64, 16, 256]
-        args[d.int(0, 5)] = v
-        kw = {"partition_size": v} if d.bool(0.3) else {}
-        label = f"decode_workspace_size({args}, {kw})"
+    if which in ("decode_workspace_size", "decode_plan"):
+        # num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq,
+        # then (decode_plan) the device, or partition_size by keyword.
+        args: list = [4, 8, 8, 64, 16, 256]
+        kw = {}
+        slot = d.int(0, 7 if which == "decode_plan" else 6)
+        if slot < 6:
+            args[slot] = v
+        elif slot == 6:
+            kw["partition_size"] = v
+        else:
+            kw["device"] = v
+        label = f"{which}({args}, {kw})"
         try:
-            r = pagedattn.decode_workspace_size(*args, "float16", **kw)
+            r = getattr(pagedattn, which)(*args, "float16", **kw)
         except allowed:
             return Outcome("extreme_ints", "error", label)
         except Exception as e:  # noqa: BLE001
             _fail(label, f"raised {type(e).__name__}: {e}")
-        if not isinstance(r, int) or r < 0:
+        size = r if which == "decode_workspace_size" else r.get("workspace_bytes") if isinstance(r, dict) else None
+        if not isinstance(size, int) or size < 0:
             _fail(label, f"returned {r!r}")
         return Outcome("extreme_ints", "ok", label)
     if which == "block_manager":
@@ -1793,7 +1802,7 @@ def _targets() -> dict:
     # Misuse classes: a second thread rewriting index arrays during calls, fork children,
     # outputs sharing memory with inputs, mappings inside caches, extreme integers, token
     # ids over the int32 range, bad command lines.
-    if all(hasattr(pagedattn, n) for n in ("copy_blocks", "swap_blocks", "BlockManager")):
+    if all(hasattr(pagedattn, n) for n in ("copy_blocks", "swap_blocks", "BlockManager", "decode_plan")):
         t.update(index_race=fuzz_index_race, fork=fuzz_fork, shared_buffers=fuzz_shared_buffers,
                  cache_mappings=fuzz_cache_mappings, extreme_ints=fuzz_extreme_ints, token_ids=fuzz_token_ids,
                  command_line=fuzz_command_line)  # fmt: skip
