@@ -1358,6 +1358,21 @@ def _int_overlap_bufs(d: Draw, n: int) -> np.ndarray:
     return np.zeros(n, d.choice([np.int32, np.int64]))
 
 
+def _expect_overlap(label: str, call: Callable[[], Any], names: tuple) -> Outcome:
+    """A ValueError saying that `names[0]` overlaps `names[1]` (not some other refusal)."""
+    try:
+        call()
+    except ValueError as e:
+        msg = str(e)
+        if "overlap" not in msg or not all(n in msg for n in names):
+            _fail(label, f"refused for another reason: {msg}")
+        return Outcome("shared_buffers", "error", label)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"expected ValueError, got {type(e).__name__}: {e}")
+    _fail(label, "expected ValueError, but the call returned normally")
+    raise AssertionError("unreachable")
+
+
 def fuzz_shared_buffers(d: Draw) -> Outcome:
     """Outputs sharing memory with inputs or with each other are refused (ValueError) and
     change nothing."""
@@ -1378,15 +1393,17 @@ def fuzz_shared_buffers(d: Draw) -> Outcome:
             out = flat[shift : shift + n].reshape(S, H, D)
         else:
             cache = args[1 if where == "key_cache" else 2]
-            flat = cache.reshape(-1)
-            if cache.dtype != p.dtype or flat.size < S * H * D or S == 0:
-                return Outcome("shared_buffers", "ok", "decode: no room")
-            start = d.int(0, flat.size - S * H * D)
-            out = flat[start : start + S * H * D].reshape(S, H, D)
+            raw = cache.reshape(-1).view(np.uint8)  # an fp8 cache's bytes hold a float out too
+            size = p.dtype.itemsize
+            need = S * H * D * size
+            if raw.size < need or S == 0:
+                return Outcome("shared_buffers", "ok", "decode: no room in the cache")
+            start = d.int(0, (raw.size - need) // size) * size
+            out = raw[start : start + need].view(p.dtype).reshape(S, H, D)
         kw["out"] = out
         snap = [a.copy() for a in args]
-        o = _expect_error(f"shared buffers: decode out overlapping {where}", lambda: pagedattn.paged_attention(
-            *args, **kw), (ValueError,))  # fmt: skip
+        o = _expect_overlap(f"shared buffers: decode out overlapping {where}",
+                            lambda: pagedattn.paged_attention(*args, **kw), ("out", where))  # fmt: skip
         if not all(_same(a, b) for a, b in zip(snap, args)):
             _fail(f"decode out overlapping {where}", "a refused call changed an input")
         o.target = "shared_buffers"
@@ -1411,6 +1428,7 @@ def fuzz_shared_buffers(d: Draw) -> Outcome:
             out = buf.view(np.int32)[off : off + S]
             call = lambda: m.seq_lens(ids, out=out)  # noqa: E731
         label = f"shared buffers: {name} out overlapping seq_ids"
+        names = (name, "seq_ids")
     else:
         shapes = {"slot_mapping": (None, np.int64), "seq_lens": (S, np.int32), "context_lens": (S, np.int32),
                   "query_start_loc": (S + 1, np.int32), "block_tables": (S * 8, np.int32)}  # fmt: skip
@@ -1430,7 +1448,7 @@ def fuzz_shared_buffers(d: Draw) -> Outcome:
             other = d.choice([k for k in sorted(shapes) if k != out_name])
             on = S if other == "slot_mapping" else shapes[other][0]
             odt = shapes[other][1]
-            o0 = d.int(200, 260)
+            o0 = 8 * d.int(25, 32)  # aligned: the refusal must be for the overlap alone
             kwargs[other] = buf.view(np.uint8)[o0 : o0 + on * np.dtype(odt).itemsize].view(odt)
             if other == "block_tables":
                 kwargs[other] = kwargs[other].reshape(S, 8)
@@ -1444,8 +1462,9 @@ def fuzz_shared_buffers(d: Draw) -> Outcome:
         kwargs[out_name] = o.reshape(S, 8) if out_name == "block_tables" else o
         call = lambda: m.step(ids, **kwargs)  # noqa: E731
         label = f"shared buffers: step {out_name} overlapping {in_name}"
+        names = (out_name,) if in_name == "output" else (out_name, in_name)
     ids_before = ids.copy()
-    o = _expect_error(label, call, (ValueError,))
+    o = _expect_overlap(label, call, names)
     if _bm_snapshot(m) != before:
         _fail(label, "a refused call changed the manager")
     if not _same(ids_before, ids):
