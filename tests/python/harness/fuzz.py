@@ -11,6 +11,16 @@ seeded random source and checks the contract:
   leaves every array and manager it was given unchanged;
 - nothing else: any other exception, a wrong answer or a crash is a failure.
 
+Beside the per-function targets, misuse targets generate the classes that once crashed
+the library: a second thread rewriting index arrays during calls (``index_race``: any
+answer or IndexError / ValueError, never an access out of bounds, which AddressSanitizer
+sees), forked children checking a decode (``fork``: skipped under AddressSanitizer, whose
+allocator is not fork-safe while other threads allocate), outputs sharing memory with
+inputs (``shared_buffers``), mappings inside caches and repeated / chained destinations
+(``cache_mappings``), extreme integers on every integer argument (``extreme_ints``),
+token ids over the int32 range (``token_ids``) and bad command lines (``command_line``,
+in-process: exit status 2, one stderr line naming the option, nothing run).
+
 Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
 seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
 
