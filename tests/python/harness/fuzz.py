@@ -1462,8 +1462,8 @@ def fuzz_shared_buffers(d: Draw) -> Outcome:
             kwargs[other] = buf.view(np.uint8)[o0 : o0 + on * np.dtype(odt).itemsize].view(odt)
             if other == "block_tables":
                 kwargs[other] = kwargs[other].reshape(S, 8)
-            start_bytes = o0 + d.int(0, on * np.dtype(odt).itemsize - 1) // np.dtype(dt).itemsize * np.dtype(dt).itemsize
-            start_bytes -= start_bytes % np.dtype(dt).itemsize
+            start_bytes = o0 + d.int(0, on * np.dtype(odt).itemsize - 1)
+            start_bytes -= start_bytes % np.dtype(dt).itemsize  # aligned, still inside the other output
         else:
             start_bytes += d.int(0, S - 1) * 8
         o = buf.view(np.uint8)[start_bytes : start_bytes + n * np.dtype(dt).itemsize].view(dt)
