@@ -61,7 +61,9 @@ def test_fuzz_batch_in_subprocess():
     assert (ran, crashes, mismatches, failures) == (CASES, 0, 0, 0)
     # Every target ran, and valid cases were compared with the reference.
     for target in fuzz.TARGETS if CASES >= 2000 else ():
-        assert re.search(rf"^  {target}: .*ok \d+", r.stdout, re.M) or target == "decode_workspace_size", target
+        # Misuse-only targets have no valid calls: they must have run and refused.
+        refusing_only = target in ("decode_workspace_size", "cache_mappings", "command_line")
+        assert re.search(rf"^  {target}: .*{'error' if refusing_only else 'ok'} \d+", r.stdout, re.M), target
 
 
 # ---- the same generators under hypothesis ----------------------------------------------
@@ -129,6 +131,100 @@ def test_fuzzer_catches_untyped_and_missing_errors(monkeypatch):
 
     monkeypatch.setattr(pagedattn, "paged_attention", lambda *a, **k: np.zeros(np.shape(a[0])))
     assert _fails_some("paged_attention", 40) > 10  # invalid calls that "succeed"
+
+
+def test_fuzzer_catches_an_accepted_overlapping_output(monkeypatch):
+    real = pagedattn.paged_attention
+
+    def copies_out(*a, **k):  # computes into a private buffer: overlap goes unnoticed
+        out = k.pop("out", None)
+        r = real(*(np.array(x, copy=True) for x in a), **k)
+        if out is not None:
+            out[...] = r
+            return out
+        return r
+
+    monkeypatch.setattr(pagedattn, "paged_attention", copies_out)
+    assert _fails_some("shared_buffers") > 10
+
+
+def test_fuzzer_catches_an_accepted_mapping_inside_a_cache(monkeypatch):
+    real = pagedattn.copy_blocks
+    monkeypatch.setattr(pagedattn, "copy_blocks", lambda k, v, m: real(k, v, np.array(m, np.int64)))
+    assert _fails_some("cache_mappings") > 5
+
+
+def test_fuzzer_catches_an_untyped_error_in_a_racing_call(monkeypatch):
+    def untyped(*a, **k):
+        raise RuntimeError("lost a race")
+
+    monkeypatch.setattr(pagedattn, "paged_attention", untyped)
+    monkeypatch.setattr(pagedattn, "reshape_and_cache", untyped)
+    monkeypatch.setattr(pagedattn, "copy_blocks", untyped)
+    assert _fails_some("index_race", 40) > 10
+
+
+def test_fuzzer_catches_a_wrong_size_from_an_extreme_integer(monkeypatch):
+    real = pagedattn.kv_cache_shape
+
+    def wraps_around(*a, **k):  # a size that overflowed instead of being refused
+        try:
+            return real(*a, **k)
+        except (ValueError, TypeError, OverflowError):
+            return (-1, 4), (-1, 4)
+
+    monkeypatch.setattr(pagedattn, "kv_cache_shape", wraps_around)
+    assert _fails_some("extreme_ints", 400) > 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or fuzz._asan_runtime_loaded(), reason="needs fork without ASan")
+def test_fuzzer_catches_a_hanging_or_failing_fork_child(monkeypatch):
+    real, parent = pagedattn.paged_attention, os.getpid()
+
+    def hangs_in_a_child(*a, **k):
+        if os.getpid() != parent:
+            import time
+
+            time.sleep(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fuzz, "FORK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(pagedattn, "paged_attention", hangs_in_a_child)
+    assert _fails_some("fork", 4) == 4
+
+    def wrong_in_a_child(*a, **k):
+        r = real(*a, **k)
+        if os.getpid() != parent and r.size:
+            r.reshape(-1)[0] += 1.0
+        return r
+
+    monkeypatch.setattr(pagedattn, "paged_attention", wrong_in_a_child)
+    assert _fails_some("fork", 20) > 5
+
+
+def test_fuzzer_catches_a_command_line_that_runs_or_prints_a_traceback(monkeypatch):
+    import pagedattn.__main__ as entry
+
+    def traceback_instead(argv=None):
+        print("Traceback (most recent call last):\nValueError: bad", file=sys.stderr)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(entry, "main", traceback_instead)
+    assert _fails_some("command_line", 20) == 20
+    monkeypatch.setattr(entry, "main", lambda argv=None: print("serving demo on cpu") or 0)
+    assert _fails_some("command_line", 20) == 20
+
+
+def test_fuzzer_catches_token_ids_compared_loosely(monkeypatch):
+    class Truncating(pagedattn.BlockManager):  # keeps only the low 16 bits of each id
+        def add_sequence(self, seq_id, token_ids, **kw):
+            ids = [int(t) for t in token_ids]
+            if any(not -(2**31) <= t < 2**31 for t in ids):
+                raise ValueError("token_ids outside int32")
+            return super().add_sequence(seq_id, [t & 0xFFFF for t in ids], **kw)
+
+    monkeypatch.setattr(pagedattn, "BlockManager", Truncating)
+    assert _fails_some("token_ids", 60) > 10
 
 
 def test_fuzzer_counts_a_crash_and_goes_on():

@@ -11,6 +11,16 @@ seeded random source and checks the contract:
   leaves every array and manager it was given unchanged;
 - nothing else: any other exception, a wrong answer or a crash is a failure.
 
+Beside the per-function targets, misuse targets generate the classes that once crashed
+the library: a second thread rewriting index arrays during calls (``index_race``: any
+answer or IndexError / ValueError, never an access out of bounds, which AddressSanitizer
+sees), forked children checking a decode (``fork``: skipped under AddressSanitizer, whose
+allocator is not fork-safe while other threads allocate), outputs sharing memory with
+inputs (``shared_buffers``), mappings inside caches and repeated / chained destinations
+(``cache_mappings``), extreme integers on every integer argument (``extreme_ints``),
+token ids over the int32 range (``token_ids``) and bad command lines (``command_line``,
+in-process: exit status 2, one stderr line naming the option, nothing run).
+
 Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
 seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
 
@@ -1217,6 +1227,589 @@ def _check_bm_result(label: str, m: Any, name: str, result: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Misuse classes: racing threads, fork, shared buffers, mappings inside caches, extreme
+# integers, token ids over the int32 range, the command line
+# ---------------------------------------------------------------------------------------
+EXTREME_INTS = [2**31 - 1, -(2**31), 2**31, 2**63 - 1, -(2**63), 2**64, -1, 0]
+RACE_VALUES = [2**31 - 1, -(2**31), -1, 0, 1]
+FORK_TIMEOUT_S = 60.0  # a forked child still running after this is a hang
+
+
+def _race(d: Draw, arrays: list, call: Callable[[], Any], label: str) -> int:
+    """Calls `call` a few times while a second thread rewrites `arrays` (each holding valid
+    indices) with random values, in and out of range, and puts the valid ones back. A call
+    may return or raise IndexError / ValueError; the point is that nothing reads or writes
+    out of bounds (AddressSanitizer sees it). Returns how many calls raised."""
+    import threading
+
+    rng = d.rng()
+    goods = [a.copy() for a in arrays]
+    bads = []
+    for a in arrays:
+        b = rng.choice(np.array(RACE_VALUES + [int(a.max(initial=0)) + 1], np.int64), a.shape)
+        bads.append(b.astype(a.dtype))
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            for a, b in zip(arrays, bads):
+                a[...] = b
+            for a, g in zip(arrays, goods):
+                a[...] = g
+
+    t = threading.Thread(target=hammer, daemon=True)
+    # A short switch interval: the main thread gets the GIL back soon after each call
+    # instead of waiting out the hammering thread's 5 ms slice.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    t.start()
+    raised = 0
+    try:
+        for _ in range(d.int(2, 4)):
+            try:
+                call()
+            except (IndexError, ValueError):
+                raised += 1
+            except Exception as e:  # noqa: BLE001
+                _fail(label, f"racing call raised {type(e).__name__}: {e}")
+    finally:
+        stop.set()
+        t.join(10.0)
+        sys.setswitchinterval(interval)
+    if t.is_alive():
+        _fail(label, "the mutating thread did not stop")
+    return raised
+
+
+def fuzz_index_race(d: Draw) -> Outcome:
+    """A second thread mutates the index arrays while the main thread calls."""
+    which = d.choice(["paged_attention", "reshape_and_cache", "copy_blocks"])
+    label = f"index race: {which}"
+    if which == "paged_attention":
+        p = make_decode_problem(d)
+        arrays = [a for a in (p.block_tables, p.seq_lens) if a.size]
+        if not arrays:
+            return Outcome("index_race", "ok", which)
+        _race(d, arrays, lambda: pagedattn.paged_attention(*p.args(), **p.kw), label)
+        # The arrays are valid again: the answer is right.
+        _check_close(label, _call_valid(label, lambda: pagedattn.paged_attention(*p.args(), **p.kw)), p.reference(),
+                     p.dtype)  # fmt: skip
+    elif which == "reshape_and_cache":
+        rng = d.rng()
+        N, B, K, D, T = d.int(1, 4), d.choice([1, 4, 16]), d.int(1, 2), d.choice([8, 16]), d.int(1, 12)
+        kshape, vshape = pagedattn.kv_cache_shape(N, B, K, D, np.float32, d.choice(LAYOUTS))
+        kc, vc = np.zeros(kshape, np.float32), np.zeros(vshape, np.float32)
+        key = rng.standard_normal((T, K, D)).astype(np.float32)
+        value = rng.standard_normal((T, K, D)).astype(np.float32)
+        slots = rng.choice(N * B, min(T, N * B), replace=False).astype(d.choice([np.int64, np.int32]))
+        key, value = key[: len(slots)], value[: len(slots)]
+        _race(d, [slots], lambda: pagedattn.reshape_and_cache(key, value, kc, vc, slots), label)
+    else:
+        rng = d.rng()
+        n = d.int(2, 8)
+        caches = [rng.standard_normal((n, 4, 4)).astype(np.float32) for _ in range(d.int(1, 3))]
+        mapping = _pairs(d, rng, n, n, True)
+        if not mapping.size:
+            mapping = np.array([[0, 1]], np.int64)
+        half = len(caches) // 2
+        _race(d, [mapping], lambda: pagedattn.copy_blocks(caches[:half], caches[half:], mapping), label)
+    return Outcome("index_race", "ok", which)
+
+
+def _asan_runtime_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return "libasan" in f.read()
+    except OSError:
+        return "asan" in os.environ.get("LD_PRELOAD", "")
+
+
+def fuzz_fork(d: Draw) -> Outcome:
+    """A forked child makes a small decode call and checks the answer. Only when this is
+    the process's only Python thread, and never under AddressSanitizer (its allocator is
+    not fork-safe while another thread allocates)."""
+    import threading
+
+    p = make_decode_problem(d)
+    if not hasattr(os, "fork") or threading.active_count() != 1 or _asan_runtime_loaded():
+        return Outcome("fork", "ok", "skipped")
+    ref = p.reference()
+    if d.bool():  # the parent used the pool before the fork
+        _call_valid("fork: parent call", lambda: pagedattn.paged_attention(*p.args(), **p.kw))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            out = pagedattn.paged_attention(*p.args(), **p.kw)
+            _check_close("fork child", out, ref, p.dtype)
+            code = 0
+        except BaseException:  # noqa: BLE001
+            code = 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + FORK_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            _fail("fork", f"the forked child hung (killed after {FORK_TIMEOUT_S:g} s)")
+        time.sleep(0.0005)
+    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        _fail("fork", f"the forked child failed: wait status {status} (3 = wrong answer or exception)")
+    return Outcome("fork", "ok", "child")
+
+
+def _int_overlap_bufs(d: Draw, n: int) -> np.ndarray:
+    return np.zeros(n, d.choice([np.int32, np.int64]))
+
+
+def _expect_overlap(label: str, call: Callable[[], Any], names: tuple) -> Outcome:
+    """A ValueError saying that `names[0]` overlaps `names[1]` (not some other refusal)."""
+    try:
+        call()
+    except ValueError as e:
+        msg = str(e)
+        if "overlap" not in msg or not all(n in msg for n in names):
+            _fail(label, f"refused for another reason: {msg}")
+        return Outcome("shared_buffers", "error", label)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"expected ValueError, got {type(e).__name__}: {e}")
+    _fail(label, "expected ValueError, but the call returned normally")
+    raise AssertionError("unreachable")
+
+
+def fuzz_shared_buffers(d: Draw) -> Outcome:
+    """Outputs sharing memory with inputs or with each other are refused (ValueError) and
+    change nothing."""
+    which = d.choice(["decode", "decode", "step", "step", "exports"])
+    if which == "decode":
+        p = make_decode_problem(d)
+        S, H, D = p.query.shape
+        args, kw = p.args(), dict(p.kw)
+        where = d.choice(["query", "key_cache", "value_cache"]) if S else "key_cache"
+        if where == "query":
+            n = S * H * D
+            if n < 2:
+                return Outcome("shared_buffers", "ok", "decode: one element cannot overlap partly")
+            shift = d.int(1, n - 1)  # 0 would be the allowed in-place call
+            flat = np.zeros(n + shift, p.dtype)
+            flat[:n] = p.query.reshape(-1)
+            args[0] = flat[:n].reshape(S, H, D)
+            out = flat[shift : shift + n].reshape(S, H, D)
+        else:
+            cache = args[1 if where == "key_cache" else 2]
+            raw = cache.reshape(-1).view(np.uint8)  # an fp8 cache's bytes hold a float out too
+            size = p.dtype.itemsize
+            need = S * H * D * size
+            if raw.size < need or S == 0:
+                return Outcome("shared_buffers", "ok", "decode: no room in the cache")
+            start = d.int(0, (raw.size - need) // size) * size
+            out = raw[start : start + need].view(p.dtype).reshape(S, H, D)
+        kw["out"] = out
+        snap = [a.copy() for a in args]
+        o = _expect_overlap(f"shared buffers: decode out overlapping {where}",
+                            lambda: pagedattn.paged_attention(*args, **kw), ("out", where))  # fmt: skip
+        if not all(_same(a, b) for a, b in zip(snap, args)):
+            _fail(f"decode out overlapping {where}", "a refused call changed an input")
+        o.target = "shared_buffers"
+        return o
+    B = d.choice([1, 2, 4, 16])
+    m = pagedattn.BlockManager(d.int(16, 64), B)  # room for 4 sequences of 3 blocks
+    S = d.int(1, 4)
+    rng = d.rng()
+    for i in range(S):
+        m.add_sequence(i, rng.integers(0, 100, d.int(1, 3 * B)).tolist())
+    before = _bm_snapshot(m)
+    buf = np.zeros(64, np.int64)
+    ids = buf[0:S]
+    ids[:] = np.arange(S)
+    if which == "exports":
+        name = d.choice(["block_tables", "seq_lens"])
+        off = d.int(0, 2 * S - 1)  # int32 offset inside the ids' bytes
+        if name == "block_tables":
+            out = buf.view(np.int32)[off : off + S * 3].reshape(S, 3)
+            call = lambda: m.block_tables(ids, out=out)  # noqa: E731
+        else:
+            out = buf.view(np.int32)[off : off + S]
+            call = lambda: m.seq_lens(ids, out=out)  # noqa: E731
+        label = f"shared buffers: {name} out overlapping seq_ids"
+        names = (name, "seq_ids")
+    else:
+        shapes = {"slot_mapping": (None, np.int64), "seq_lens": (S, np.int32), "context_lens": (S, np.int32),
+                  "query_start_loc": (S + 1, np.int32), "block_tables": (S * 8, np.int32)}  # fmt: skip
+        out_name = d.choice(sorted(shapes))
+        in_name = d.choice(["seq_ids", "query_lens", "output"])
+        kwargs: dict = {"query_lens": np.ones(S, np.int64)}
+        if in_name == "query_lens":
+            ql = buf[S : 2 * S]
+            ql[:] = 1
+            kwargs["query_lens"] = ql
+            start_bytes = S * 8
+        else:
+            start_bytes = 0
+        n = S if out_name == "slot_mapping" else shapes[out_name][0]
+        dt = shapes[out_name][1]
+        if in_name == "output":
+            other = d.choice([k for k in sorted(shapes) if k != out_name])
+            on = S if other == "slot_mapping" else shapes[other][0]
+            odt = shapes[other][1]
+            o0 = 8 * d.int(25, 32)  # aligned: the refusal must be for the overlap alone
+            kwargs[other] = buf.view(np.uint8)[o0 : o0 + on * np.dtype(odt).itemsize].view(odt)
+            if other == "block_tables":
+                kwargs[other] = kwargs[other].reshape(S, 8)
+            start_bytes = o0 + d.int(0, on * np.dtype(odt).itemsize - 1)
+            start_bytes -= start_bytes % np.dtype(dt).itemsize  # aligned, still inside the other output
+        else:
+            start_bytes += d.int(0, S - 1) * 8
+        o = buf.view(np.uint8)[start_bytes : start_bytes + n * np.dtype(dt).itemsize].view(dt)
+        if o.size != n:
+            return Outcome("shared_buffers", "ok", "step: no room")
+        kwargs[out_name] = o.reshape(S, 8) if out_name == "block_tables" else o
+        call = lambda: m.step(ids, **kwargs)  # noqa: E731
+        label = f"shared buffers: step {out_name} overlapping {in_name}"
+        names = (out_name,) if in_name == "output" else (out_name, in_name)
+    ids_before = ids.copy()
+    o = _expect_overlap(label, call, names)
+    if _bm_snapshot(m) != before:
+        _fail(label, "a refused call changed the manager")
+    if not _same(ids_before, ids):
+        _fail(label, "a refused call wrote into seq_ids")
+    m.check_invariants()
+    o.target = "shared_buffers"
+    return o
+
+
+def _mapping_inside(cache: np.ndarray, block: int, pairs: list) -> np.ndarray:
+    """An int64 [P, 2] array whose memory is block `block` of `cache`, holding `pairs`."""
+    flat = cache[block].reshape(-1).view(np.int64)
+    m = flat[: 2 * len(pairs)].reshape(len(pairs), 2)
+    m[:] = pairs
+    return m
+
+
+def fuzz_cache_mappings(d: Draw) -> Outcome:
+    """copy_blocks / swap_blocks with the mapping inside a cache, or with repeated or
+    chained destinations: ValueError, caches unchanged."""
+    rng = d.rng()
+    n = d.int(3, 10)
+    dtype = d.choice([np.float32, np.float16, np.uint8])
+    which = d.choice(["copy inside", "copy duplicate", "copy chained", "swap inside", "swap duplicate"])
+    mk = lambda: _random_array(rng, (n, 4, 8), np.dtype(dtype))  # noqa: E731 - 32+ bytes per block
+    P = d.int(1, 2)
+    pairs = [[d.int(0, n - 1), d.int(0, n - 1)] for _ in range(P)]
+    if which.startswith("copy"):
+        keys = [mk() for _ in range(d.int(1, 2))]
+        values = [mk() for _ in range(d.int(0, 2))]
+        caches = keys + values
+        if which == "copy inside":
+            holder = d.int(0, len(caches) - 1)
+            mapping: Any = _mapping_inside(caches[holder], d.int(0, n - 1), pairs)
+        elif which == "copy duplicate":
+            dst = d.int(0, n - 1)
+            srcs = [s for s in range(n) if s != dst]
+            mapping = [[d.choice(srcs), dst], [d.choice(srcs), dst]]
+        else:
+            a, b, c = (int(v) for v in rng.choice(n, 3, replace=False))
+            mapping = d.choice([[[a, b], [b, c]], [[b, c], [a, b]]])
+        mapping = np.asarray(mapping, d.choice([np.int64, np.int32])) if which != "copy inside" else mapping
+        snap = [c.copy() for c in caches]
+        o = _expect_error(f"cache mappings: {which} {np.asarray(mapping).tolist()}",
+                          lambda: pagedattn.copy_blocks(keys, values, mapping), (ValueError,))  # fmt: skip
+    else:
+        src, dst = mk(), mk()
+        caches = [src, dst]
+        if which == "swap inside":
+            mapping = _mapping_inside(d.choice(caches), d.int(0, n - 1), pairs)
+        else:
+            t = d.int(0, n - 1)
+            mapping = np.array([[d.int(0, n - 1), t], [d.int(0, n - 1), t]], np.int64)
+        snap = [c.copy() for c in caches]
+        o = _expect_error(f"cache mappings: {which} {np.asarray(mapping).tolist()}",
+                          lambda: pagedattn.swap_blocks(src, dst, mapping), (ValueError,))  # fmt: skip
+    if not all(_same(a, b) for a, b in zip(snap, caches)):
+        _fail(f"cache mappings: {which}", "a refused call changed a cache")
+    o.target = "cache_mappings"
+    return o
+
+
+def fuzz_extreme_ints(d: Draw) -> Outcome:
+    """One integer argument set to an extreme value: a typed error, or a correct answer."""
+    v = d.choice(EXTREME_INTS)
+    which = d.choice(["kv_cache_shape", "decode_workspace_size", "decode_plan", "partition_size", "block id",
+                      "seq_len", "slot", "block_manager"])  # fmt: skip
+    allowed = TYPED + (OverflowError,)
+    if which == "kv_cache_shape":
+        args = [4, 16, 2, 64]
+        i = d.int(0, 3)
+        args[i] = v
+        label = f"kv_cache_shape({args})"
+        try:
+            r = pagedattn.kv_cache_shape(*args, np.float16, d.choice(LAYOUTS))
+        except allowed:
+            return Outcome("extreme_ints", "error", label)
+        except Exception as e:  # noqa: BLE001
+            _fail(label, f"raised {type(e).__name__}: {e}")
+        n = [math.prod(s) for s in r]
+        if any(x < 0 for s in r for x in s) or n[0] != math.prod(args):
+            _fail(label, f"returned {r!r}")
+        return Outcome("extreme_ints", "ok", label)
+    if which in ("decode_workspace_size", "decode_plan"):
+        # num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq,
+        # then (decode_plan) the device, or partition_size by keyword.
+        args: list = [4, 8, 8, 64, 16, 256]
+        kw = {}
+        slot = d.int(0, 7 if which == "decode_plan" else 6)
+        if slot < 6:
+            args[slot] = v
+        elif slot == 6:
+            kw["partition_size"] = v
+        else:
+            kw["device"] = v
+        label = f"{which}({args}, {kw})"
+        try:
+            r = getattr(pagedattn, which)(*args, "float16", **kw)
+        except allowed:
+            return Outcome("extreme_ints", "error", label)
+        except Exception as e:  # noqa: BLE001
+            _fail(label, f"raised {type(e).__name__}: {e}")
+        size = r if which == "decode_workspace_size" else r.get("workspace_bytes") if isinstance(r, dict) else None
+        if not isinstance(size, int) or size < 0:
+            _fail(label, f"returned {r!r}")
+        return Outcome("extreme_ints", "ok", label)
+    if which == "block_manager":
+        return _bm_extreme(d, v)
+    p = make_decode_problem(d)
+    if which == "slot":
+        return _slot_extreme(d, v)
+    args, kw = p.args(), dict(p.kw)
+    label = f"extreme {which} = {v}"
+    if which == "partition_size":
+        kw["partition_size"] = v
+    else:
+        S = p.query.shape[0]
+        reached = [(i, b) for i in range(S) for b in range(-(-int(p.seq_lens[i]) // p.block_size))]
+        if which == "block id" and reached and -(2**31) <= v < 2**31:
+            i, b = d.choice(reached)
+            args[3] = p.block_tables.copy()
+            args[3][i, b] = v
+            if 0 <= v < p.num_blocks:  # valid (the slot it reaches may be NaN-poisoned)
+                _call_valid(label, lambda: pagedattn.paged_attention(*args, **kw))
+                return Outcome("extreme_ints", "ok", label)
+            return _retarget(_expect_error(label, lambda: pagedattn.paged_attention(*args, **kw), (IndexError,)))
+        if which == "seq_len" and S and v != 0 and -(2**31) <= v < 2**31:
+            args[4] = p.seq_lens.copy()
+            args[4][d.int(0, S - 1)] = v
+            return _retarget(_expect_error(label, lambda: pagedattn.paged_attention(*args, **kw),
+                                           (IndexError, ValueError)))  # fmt: skip
+    try:
+        out = pagedattn.paged_attention(*args, **kw)
+    except allowed:
+        return Outcome("extreme_ints", "error", label)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"raised {type(e).__name__}: {e}")
+    _check_close(label, out, reference.paged_attention_ref(*args, **{k: kw[k] for k in (
+        "scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in kw}), p.dtype)  # fmt: skip
+    return Outcome("extreme_ints", "ok", label)
+
+
+def _retarget(o: Outcome) -> Outcome:
+    o.target = "extreme_ints"
+    return o
+
+
+def _slot_extreme(d: Draw, v: int) -> Outcome:
+    """reshape_and_cache with one slot set to v: a negative slot marks padding (the token
+    is skipped); a slot past the pool is an IndexError (caches unchanged); values outside
+    the slot dtype cannot be stored."""
+    rng = d.rng()
+    N, B, K, D, T = d.int(1, 3), d.choice([1, 4, 16]), 1, 8, d.int(1, 4)
+    kc, vc = (np.zeros(s, np.float32) for s in pagedattn.kv_cache_shape(N, B, K, D, np.float32, "nhd"))
+    key = rng.standard_normal((T, K, D)).astype(np.float32)
+    value = rng.standard_normal((T, K, D)).astype(np.float32)
+    slot_dt = d.choice([np.int64, np.int32])
+    if not np.iinfo(slot_dt).min <= v <= np.iinfo(slot_dt).max:
+        return Outcome("extreme_ints", "ok", "slot outside its dtype cannot be stored")
+    slots = rng.choice(N * B, min(T, N * B), replace=False).astype(slot_dt)
+    key, value = key[: len(slots)], value[: len(slots)]
+    j = d.int(0, len(slots) - 1)
+    if 0 <= v < N * B and v in slots[np.arange(len(slots)) != j]:
+        return Outcome("extreme_ints", "ok", "slot would repeat")
+    slots[j] = v
+    label = f"reshape_and_cache slot[{j}] = {v}"
+    if v < N * B:
+        _call_valid(label, lambda: pagedattn.reshape_and_cache(key, value, kc, vc, slots))
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0 and not np.array_equal(kc.reshape(N * B, K, D)[s], key[t]):
+                _fail(label, f"slot {s} does not hold token {t}")
+        return Outcome("extreme_ints", "ok", label)
+    snap = kc.copy()
+    o = _expect_error(label, lambda: pagedattn.reshape_and_cache(key, value, kc, vc, slots), (IndexError, ValueError))
+    if not _same(snap, kc):
+        _fail(label, "a refused call changed the cache")
+    return _retarget(o)
+
+
+def _bm_extreme(d: Draw, v: int) -> Outcome:
+    """A block manager call with one integer argument set to v: a typed error that changes
+    nothing, or a normal return; the invariants hold either way."""
+    m = pagedattn.BlockManager(16, 4, num_cpu_blocks=4)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.step([1])
+    calls = {
+        "BlockManager(num_blocks)": lambda: pagedattn.BlockManager(v, 4) if v != 2**31 - 1 else None,
+        "BlockManager(block_size)": lambda: pagedattn.BlockManager(4, v),
+        "add_sequence(seq_id)": lambda: m.add_sequence(v, [1]),
+        "add_sequence(extra_key)": lambda: m.add_sequence(2, [1], extra_key=v),
+        "append_tokens(seq_id)": lambda: m.append_tokens(v, [1]),
+        "fork(parent_id)": lambda: m.fork(v, 2),
+        "fork(child_id)": lambda: m.fork(1, v),
+        "free": lambda: m.free(v),
+        "step(seq_ids)": lambda: m.step([v]),
+        "step(query_lens)": lambda: m.step([1], query_lens=[v]),
+        "step(max_blocks)": lambda: m.step([1], max_blocks=v),
+        "block_tables(max_blocks)": lambda: m.block_tables([1], max_blocks=v),
+        "block_tables(pad)": lambda: m.block_tables([1], pad=v),
+        "slots(start)": lambda: m.slots(1, v),
+        "slots(stop)": lambda: m.slots(1, 0, v),
+        "ref_count": lambda: m.ref_count(v),
+        "is_cached": lambda: m.is_cached(v),
+        "can_append(num_tokens)": lambda: m.can_append(1, v),
+        "can_allocate": lambda: m.can_allocate(v),
+        "swap_out": lambda: m.swap_out([v]),
+    }
+    name = d.choice(sorted(calls))
+    label = f"block manager {name} = {v}"
+    before = _bm_snapshot(m)
+    try:
+        calls[name]()
+    except TYPED + (KeyError, OverflowError, pagedattn.OutOfBlocksError):
+        if _bm_snapshot(m) != before:
+            _fail(label, "a refused call changed the manager")
+        m.check_invariants()
+        return Outcome("extreme_ints", "error", label)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"raised {type(e).__name__}: {e}")
+    m.check_invariants()
+    return Outcome("extreme_ints", "ok", label)
+
+
+INT32_EDGES = [2**31 - 1, -(2**31), -1, 0, 1, 2**31 - 2, -(2**31) + 1, 65535, 65536, -65536]
+
+
+def fuzz_token_ids(d: Draw) -> Outcome:
+    """Token ids over the whole int32 range are cached and compared exactly (prompts that
+    differ in one far-apart id get no prefix hit from each other); ids outside int32 are a
+    ValueError naming token_ids that changes nothing."""
+    B = d.choice([1, 2, 4])
+    m = pagedattn.BlockManager(64, B, enable_prefix_caching=True)
+    rng = d.rng()
+    n = d.int(1, 4 * B)
+    first = [int(x) for x in rng.choice(np.array(INT32_EDGES, np.int64), n)]
+    m.add_sequence(0, first)
+    m.step([0])
+    if _ints(m.token_ids(0)) != first:
+        _fail("token_ids", f"token_ids(0) = {_ints(m.token_ids(0))}, given {first}")
+    second = list(first)
+    mode = d.choice(["same", "one differs", "outside int32"])
+    if mode == "one differs":
+        j = d.int(0, n - 1)
+        second[j] = d.choice([x for x in INT32_EDGES if x != first[j]])
+    elif mode == "outside int32":
+        second[d.int(0, n - 1)] = d.choice([2**31, -(2**31) - 1, 2**63 - 1, -(2**63), 2**32])
+        before = _bm_snapshot(m)
+        try:
+            m.add_sequence(1, second)
+        except ValueError as e:
+            if "token_ids" not in str(e):
+                _fail("token_ids outside int32", f"the error does not name token_ids: {e}")
+        except Exception as e:  # noqa: BLE001
+            _fail("token_ids outside int32", f"raised {type(e).__name__}: {e}")
+        else:
+            _fail("token_ids outside int32", f"add_sequence accepted {second}")
+        if _bm_snapshot(m) != before:
+            _fail("token_ids outside int32", "a refused call changed the manager")
+        m.check_invariants()
+        return Outcome("token_ids", "error", mode)
+    hit = m.add_sequence(1, second)
+    # The longest common prefix in whole blocks (the last token is never a hit).
+    common = 0
+    while common < n and first[common] == second[common]:
+        common += 1
+    full = min(common, n - 1) // B * B
+    if hit > full:
+        _fail(f"token_ids {mode}", f"prefix hit of {hit} tokens for prompts sharing only {common}: {first} / {second}")
+    if _ints(m.token_ids(1)) != second:
+        _fail(f"token_ids {mode}", f"token_ids(1) = {_ints(m.token_ids(1))}, given {second}")
+    m.check_invariants()
+    return Outcome("token_ids", "ok", mode)
+
+
+def _bad_command_lines() -> list:
+    """(argv, option the error names): each value is outside the option's documented range."""
+    from pagedattn.demo import cli
+
+    return [
+        (["--requests"], ["0", "-1", str(cli.MAX_REQUESTS + 1), str(2**64), "x", str(-(2**63))]),
+        (["--block-size"], ["0", "-1", "2000", "sixteen", str(2**63), "1.5"]),
+        (["--memory"], ["-5", "abc", "1e30", "2.5blocks", "12345678901234567890blocks"]),
+        (["--cpu-memory"], ["abc", "12345678901234567890blocks", "-1"]),
+        (["--rate"], ["nan", "0", "-1"]),
+        (["--max-batch"], ["0", "-1", str(-(2**63))]),
+        (["--check"], ["1.5", "-0.5"]),
+        (["--seed"], ["-1", "-5", str(2**63), str(2**64), str(-(2**63))]),
+        (["--blas-threads"], ["-1", str(-(2**31))]),
+        (["--json"], ["/nonexistent-folder-of-pagedattn/r.json"]),
+        (["bench", "--reps"], ["0", "-3", str(2**63), "many"]),
+        (["selfcheck", "--seed"], ["-1", str(2**64)]),
+        (["selfcheck", "--device"], ["tpu"]),
+    ]
+
+
+def fuzz_command_line(d: Draw) -> Outcome:
+    """`python -m pagedattn` with one bad option value, in-process: SystemExit(2), one
+    stderr line naming the option, nothing on stdout, and fast (no work ran)."""
+    import contextlib
+    import io
+
+    from pagedattn.__main__ import main as cli_main
+
+    table = _bad_command_lines()
+    opts, values = d.choice(table)
+    value = d.choice(values)
+    option = opts[-1]
+    argv = [*opts, value]
+    if opts[0] not in ("bench", "selfcheck"):
+        argv = d.choice([[], ["serve"]]) + ["--device", "cpu", "--quiet", *argv]
+    label = f"command line {argv}"
+    err, out = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    code: Any = None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = cli_main(argv)
+    except SystemExit as e:
+        code = ("exit", e.code)
+    except Exception as e:  # noqa: BLE001
+        _fail(label, f"raised {type(e).__name__}: {e}")
+    dt = time.perf_counter() - t0
+    if code != ("exit", 2):
+        _fail(label, f"expected SystemExit(2), got {code!r}; stderr {err.getvalue()!r}")
+    lines = err.getvalue().strip().splitlines()
+    if len(lines) != 1 or "error:" not in lines[0] or option not in lines[0]:
+        _fail(label, f"stderr is not one line naming {option}: {err.getvalue()!r}")
+    if out.getvalue():
+        _fail(label, f"something ran: stdout {out.getvalue()[:200]!r}")
+    if dt > 5.0:
+        _fail(label, f"refusing took {dt:.1f} s (work ran before the check?)")
+    return Outcome("command_line", "error", label)
+
+
+# ---------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------
 def _targets() -> dict:
@@ -1235,13 +1828,24 @@ def _targets() -> dict:
         t["decode_workspace_size"] = fuzz_decode_workspace_size
     if hasattr(pagedattn, "BlockManager"):
         t["block_manager"] = fuzz_block_manager
+    # Misuse classes: a second thread rewriting index arrays during calls, fork children,
+    # outputs sharing memory with inputs, mappings inside caches, extreme integers, token
+    # ids over the int32 range, bad command lines.
+    if all(hasattr(pagedattn, n) for n in ("copy_blocks", "swap_blocks", "BlockManager", "decode_plan")):
+        t.update(index_race=fuzz_index_race, fork=fuzz_fork, shared_buffers=fuzz_shared_buffers,
+                 cache_mappings=fuzz_cache_mappings, extreme_ints=fuzz_extreme_ints, token_ids=fuzz_token_ids,
+                 command_line=fuzz_command_line)  # fmt: skip
     return t
 
 
 TARGETS = _targets()
 # Relative frequency of each target in a mixed run.
-WEIGHTS = {"paged_attention": 6, "reshape_and_cache": 4, "kv_cache_shape": 2, "prepare_decode": 1,
-           "copy_blocks": 1, "swap_blocks": 1, "decode_workspace_size": 1, "block_manager": 3}  # fmt: skip
+# The misuse targets together take about a fifth of the cases; a fork costs a process, so
+# it is the rarest.
+WEIGHTS = {"paged_attention": 12, "reshape_and_cache": 8, "kv_cache_shape": 4, "prepare_decode": 2,
+           "copy_blocks": 2, "swap_blocks": 2, "decode_workspace_size": 2, "block_manager": 6,
+           "index_race": 2, "fork": 1, "shared_buffers": 2, "cache_mappings": 1, "extreme_ints": 3,
+           "token_ids": 1, "command_line": 1}  # fmt: skip
 
 
 def run_case(d: Draw, target: Optional[str] = None) -> Outcome:
