@@ -132,6 +132,26 @@ DecodeShape decode_shape(nb::handle num_seqs, nb::handle num_heads, nb::handle n
   return s;
 }
 
+// decode_workspace_size and decode_plan: the same arguments, read the same way;
+// `answer(shape, options)` gives the result.
+template <class Answer>
+void def_decode_query(nb::module_& m, const char* name, Answer answer, const std::string& sig,
+                      const std::string& doc) {
+  m.def(
+      name,
+      [name, answer](nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
+                     nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype, nb::handle layout,
+                     nb::handle device, nb::kwargs kwargs) -> nb::object {
+        CallKeywords kw;
+        parse_keywords(name, kDecodeQuery, kwargs, &kw);
+        return answer(decode_shape(num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq,
+                                   dtype, layout, device),
+                      kw.options);
+      },
+      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
+      "dtype"_a, "layout"_a = "vllm", "device"_a = 0, "kwargs"_a, nb::sig(sig.c_str()), doc.c_str());
+}
+
 std::string doc(const char* head, unsigned set, const char* tail = "") {
   return detail::concat(head, "\n\nKeyword options:\n", keyword_docs(set), tail);
 }
@@ -301,29 +321,14 @@ void bind_attention(nb::module_& m) {
           "context, reduce_kernel (True: partial results go to scratch and a second kernel merges them),\n"
           "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), workspace_bytes.",
           kDecodeQuery);
-  m.def(
-      "decode_workspace_size",
-      [](nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
-         nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype, nb::handle layout, nb::handle device,
-         nb::kwargs kwargs) {
-        CallKeywords kw;
-        parse_keywords("decode_workspace_size", kDecodeQuery, kwargs, &kw);
-        return decode_workspace_size(decode_shape(num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                                  max_blocks_per_seq, dtype, layout, device),
-                                     kw.options);
-      },
-      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
-      "dtype"_a, "layout"_a = "vllm", "device"_a = 0, "kwargs"_a, nb::sig(ws_sig.c_str()), ws_doc.c_str());
-  m.def(
-      "decode_plan",
-      [](nb::handle num_seqs, nb::handle num_heads, nb::handle num_kv_heads, nb::handle head_size,
-         nb::handle block_size, nb::handle max_blocks_per_seq, nb::handle dtype, nb::handle layout, nb::handle device,
-         nb::kwargs kwargs) {
-        CallKeywords kw;
-        parse_keywords("decode_plan", kDecodeQuery, kwargs, &kw);
-        const DecodePlanInfo i = decode_plan(decode_shape(num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                                          max_blocks_per_seq, dtype, layout, device),
-                                             kw.options);
+  def_decode_query(
+      m, "decode_workspace_size",
+      [](const DecodeShape& shape, const AttentionOptions& opt) { return nb::int_(decode_workspace_size(shape, opt)); },
+      ws_sig, ws_doc);
+  def_decode_query(
+      m, "decode_plan",
+      [](const DecodeShape& shape, const AttentionOptions& opt) {
+        const DecodePlanInfo i = decode_plan(shape, opt);
         nb::dict d;
         d["num_partitions"] = i.num_partitions;
         d["partition_size"] = i.partition_size;
@@ -331,10 +336,9 @@ void bind_attention(nb::module_& m) {
         d["head_tiles"] = i.head_tiles;
         d["ctas"] = i.ctas;
         d["workspace_bytes"] = i.workspace_bytes;
-        return d;
+        return nb::object(d);
       },
-      "num_seqs"_a, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, "block_size"_a, "max_blocks_per_seq"_a,
-      "dtype"_a, "layout"_a = "vllm", "device"_a = 0, "kwargs"_a, nb::sig(plan_sig.c_str()), plan_doc.c_str());
+      plan_sig, plan_doc);
 
   m.def(
       "kv_cache_shape",
