@@ -15,9 +15,12 @@ relative to max|ref|:
   kernel's own arithmetic (float32 softmax and accumulation, one output rounding)
   adds.
 
-BOUNDS below are about 1.5x the largest value measured over 20 seeds, both layouts and
-the four lengths; the README's
-Precision section quotes the measured values. `python tests/python/test_precision.py
+The normwise errors are stable: their BOUNDS are about 1.4x the largest value measured
+over 2000 seeds, both layouts. The elementwise maximum is heavy-tailed (now and then one
+draw puts a single output element at the rounding worst case while max|ref| is small):
+its end-to-end bound is about 2.5x the largest value over 3000 seeds, so that a test run
+with fresh inputs does not fail on a legitimate draw. The README's Precision section
+quotes the measured values. `python tests/python/test_precision.py
 [seeds]` prints the table again.
 """
 
@@ -49,13 +52,13 @@ PATHS = {
 # path -> bounds on (end-to-end normwise, end-to-end max, kernel normwise, kernel max)
 BOUNDS = {
     "float32": (1.5e-6, 4.5e-6, 1.5e-6, 4.5e-6),
-    "float16": (7e-4, 1.5e-3, 3.5e-4, 1e-3),
-    "bfloat16": (5.5e-3, 1.2e-2, 2.7e-3, 8e-3),
-    "fp8_e4m3 cache, float16 query": (6.5e-2, 1.6e-1, 5e-4, 1e-3),
-    "fp8_e5m2 cache, float16 query": (1.25e-1, 3e-1, 5e-4, 1e-3),
-    "fp8_e4m3 cache, bfloat16 query": (6.5e-2, 1.6e-1, 3e-3, 8e-3),
-    "fp8_e5m2 cache, bfloat16 query": (1.25e-1, 3e-1, 3e-3, 8e-3),
-    "fp8_e4m3 cache, float32 query": (6.5e-2, 1.6e-1, 1.5e-6, 4.5e-6),
+    "float16": (7.5e-4, 3e-3, 3.5e-4, 1e-3),
+    "bfloat16": (5.8e-3, 2.5e-2, 2.7e-3, 8e-3),
+    "fp8_e4m3 cache, float16 query": (7e-2, 3e-1, 5e-4, 1e-3),
+    "fp8_e5m2 cache, float16 query": (1.3e-1, 5.5e-1, 5e-4, 1e-3),
+    "fp8_e4m3 cache, bfloat16 query": (7e-2, 3e-1, 3e-3, 8e-3),
+    "fp8_e5m2 cache, bfloat16 query": (1.3e-1, 5.5e-1, 3e-3, 8e-3),
+    "fp8_e4m3 cache, float32 query": (7e-2, 3e-1, 1.5e-6, 4.5e-6),
 }
 LENGTHS = [1, 17, 256, 2048]
 H, K, D, B, S = 8, 2, 128, 16, 2
