@@ -44,6 +44,8 @@ void launch(const DecodeParams& p, DeviceKind device, void* stream) {
   if (p.num_seqs == 0) return;
   if (device == DeviceKind::kCUDA)
     cuda_backend::paged_attention(p, stream);
+  else if (p.query_start_loc)
+    cpu::paged_attention_varlen(p);
   else
     cpu::paged_attention(p);
 }

@@ -28,6 +28,11 @@ struct DecodeParams {
   const std::int32_t* block_tables = nullptr;  // [S, M], contiguous
   const std::int32_t* seq_lens = nullptr;      // [S]
   const float* alibi_slopes = nullptr;         // [H] or null
+  // Varlen queries: [S + 1] row offsets (see paged_attention), or null for decode. With
+  // them query / out hold num_tokens rows instead of num_seqs.
+  const std::int32_t* query_start_loc = nullptr;
+  std::int64_t num_tokens = 0;  // T: rows of query / out in the varlen form
+  int max_query_len = -1;       // host-known bound on every q_i; -1 = unknown (at most T)
 
   int num_seqs = 0;
   int num_heads = 0;

@@ -396,11 +396,28 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   check_same_device(query, "query", block_tables, "block_tables");
   check_same_device(query, "query", seq_lens, "seq_lens");
   if (opt.alibi_slopes) check_same_device(query, "query", *opt.alibi_slopes, "alibi_slopes");
+  const TensorView* qsl = opt.query_start_loc ? &*opt.query_start_loc : nullptr;
+  if (qsl) check_same_device(query, "query", *qsl, "query_start_loc");
 
-  check_ndim(query, "query", 3, "[num_seqs, num_heads, head_size]");
+  check_ndim(query, "query", 3, qsl ? "[num_tokens, num_heads, head_size] (with query_start_loc)"
+                                    : "[num_seqs, num_heads, head_size]");
   check_float_dtype(query, "query");
   check_last_dim_contiguous(query, "query");
-  const std::int64_t S = query.size(0), H = query.size(1), D = query.size(2);
+  const std::int64_t H = query.size(1), D = query.size(2);
+  std::int64_t S = query.size(0);
+  const char* seqs_from = "num_seqs, as in query";
+  if (qsl) {
+    check_ndim(*qsl, "query_start_loc", 1, "[num_seqs + 1]");
+    check_dtype(*qsl, "query_start_loc", DType::kInt32);
+    check_contiguous(*qsl, "query_start_loc");
+    if (qsl->size(0) < 1)
+      fail<InvalidArgument>("query_start_loc: needs num_seqs + 1 >= 1 entries (it starts with 0), got shape ",
+                            qsl->shape_str());
+    S = qsl->size(0) - 1;
+    seqs_from = "num_seqs = len(query_start_loc) - 1";
+  }
+  if (opt.max_query_len && *opt.max_query_len < 0)
+    fail<InvalidArgument>("max_query_len: must be >= 0, got ", *opt.max_query_len);
   if (H <= 0) fail<InvalidArgument>("query: num_heads must be positive, got ", H);
   if (D <= 0) fail<InvalidArgument>("query: head_size must be positive, got ", D);
 
@@ -410,14 +427,14 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
 
   check_ndim(block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
   check_dtype(block_tables, "block_tables", DType::kInt32);
-  check_dim(block_tables, "block_tables", 0, S, "num_seqs, as in query");
+  check_dim(block_tables, "block_tables", 0, S, seqs_from);
   check_contiguous(block_tables, "block_tables");
   check_ndim(seq_lens, "seq_lens", 1, "[num_seqs]");
   check_dtype(seq_lens, "seq_lens", DType::kInt32);
-  check_dim(seq_lens, "seq_lens", 0, S, "num_seqs, as in query");
+  check_dim(seq_lens, "seq_lens", 0, S, seqs_from);
   check_contiguous(seq_lens, "seq_lens");
 
-  check_ndim(out, "out", 3, "[num_seqs, num_heads, head_size]");
+  check_ndim(out, "out", 3, qsl ? "[num_tokens, num_heads, head_size]" : "[num_seqs, num_heads, head_size]");
   if (out.dtype != query.dtype)
     fail<TypeMismatch>("out: dtype ", dtype_name(out.dtype), " must equal the query's dtype ", dtype_name(query.dtype));
   for (int d = 0; d < 3; ++d)
@@ -441,6 +458,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   out_w.disjoint_from(block_tables, "block_tables");
   out_w.disjoint_from(seq_lens, "seq_lens");
   if (opt.alibi_slopes) out_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
+  if (qsl) out_w.disjoint_from(*qsl, "query_start_loc");
 
   DecodeShape sh;
   sh.num_seqs = to_int(S, "num_seqs");
@@ -467,6 +485,11 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.seq_lens = seq_lens.ptr<const std::int32_t>();
   p.alibi_slopes = opt.alibi_slopes ? opt.alibi_slopes->ptr<const float>() : nullptr;
   p.num_blocks = g.num_blocks;
+  if (qsl) {
+    p.query_start_loc = qsl->ptr<const std::int32_t>();
+    p.num_tokens = to_int(query.size(0), "num_tokens");
+    p.max_query_len = opt.max_query_len ? *opt.max_query_len : -1;
+  }
 
   if (query.device == DeviceKind::kCUDA) {
     detail::check_cuda_decode_limits(p, opt.workspace ? &*opt.workspace : nullptr);
@@ -481,6 +504,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
       const Written ws_w(ws, "workspace");
       for (int i = 0; i < 6; ++i) ws_w.disjoint_from(*inputs[i], names[i]);
       if (opt.alibi_slopes) ws_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
+      if (qsl) ws_w.disjoint_from(*qsl, "query_start_loc");
       p.workspace = ws.data;
       p.workspace_bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
       check_cuda_workspace_size(p);
@@ -506,6 +530,28 @@ void check_decode_indices(const DecodeParams& p) {
         fail<OutOfRange>("block_tables[", s, ", ", b, "] = ", row[b], " is outside [0, num_blocks = ", p.num_blocks,
                          ") (sequence ", s, " has length ", len, ")");
   }
+  if (p.query_start_loc) check_query_start_loc(p);
+}
+
+void check_query_start_loc(const DecodeParams& p) {
+  const std::int32_t* qsl = p.query_start_loc;
+  if (qsl[0] != 0) fail<InvalidArgument>("query_start_loc[0]: must be 0, got ", qsl[0]);
+  for (std::int64_t s = 0; s < p.num_seqs; ++s) {
+    const std::int64_t q = static_cast<std::int64_t>(qsl[s + 1]) - qsl[s];
+    if (q < 0)
+      fail<InvalidArgument>("query_start_loc: must be non-decreasing, got query_start_loc[", s, "] = ", qsl[s],
+                            " > query_start_loc[", s + 1, "] = ", qsl[s + 1]);
+    if (q > p.seq_lens[s])
+      fail<InvalidArgument>("query_start_loc: sequence ", s, " has ", q, " query rows (query_start_loc[", s + 1,
+                            "] - query_start_loc[", s, "]) but seq_lens[", s, "] = ", p.seq_lens[s],
+                            "; a sequence's query rows are its last tokens, at most seq_len of them");
+    if (p.max_query_len >= 0 && q > p.max_query_len)
+      fail<InvalidArgument>("max_query_len: ", p.max_query_len, " is smaller than sequence ", s, "'s ", q,
+                            " query rows (query_start_loc[", s + 1, "] - query_start_loc[", s, "])");
+  }
+  if (qsl[p.num_seqs] != p.num_tokens)
+    fail<InvalidArgument>("query_start_loc[", p.num_seqs, "]: must equal the query's num_tokens ", p.num_tokens,
+                          ", got ", qsl[p.num_seqs]);
 }
 
 CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value, const TensorView& key_cache,

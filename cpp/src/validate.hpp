@@ -25,6 +25,9 @@ DecodeParams decode_params_of(const DecodeShape& shape, const AttentionOptions& 
 // sequence reaches inside the pool): part of make_decode_params, and repeated by a
 // prepared call's run() on the host, since the contents may have changed.
 void check_decode_indices(const DecodeParams& p);
+// The varlen part of it: query_start_loc starts at 0, never decreases, ends at num_tokens;
+// no sequence has more query rows than tokens, nor more than max_query_len when given.
+void check_query_start_loc(const DecodeParams& p);
 
 CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView& value,
                                          const TensorView& key_cache, const TensorView& value_cache,

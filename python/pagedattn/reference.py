@@ -101,6 +101,31 @@ def dense_attention(
     return np.einsum("hl,lhd->hd", p, vv)
 
 
+def causal_attention(
+    q: Any, k: np.ndarray, v: np.ndarray, scale: float, alibi_slopes: Optional[Any] = None
+) -> np.ndarray:
+    """The last n tokens of a sequence attending causally: q [n, H, D], k / v [L, K, D]
+    (n <= L) -> [n, H, D], float64. Row j sits at position L - n + j and sees keys 0 .. it."""
+    q = np.asarray(q).astype(np.float64)
+    n, h, d = q.shape
+    length, kh, _ = k.shape
+    if n == 0:
+        return np.zeros((0, h, d))
+    group = h // kh
+    kk = np.repeat(k, group, axis=1)  # [L, H, D]
+    vv = np.repeat(v, group, axis=1)
+    logits = np.einsum("nhd,lhd->hnl", q, kk) * scale
+    pos = np.arange(length - n, length)  # each row's own position
+    rel = np.arange(length)[None, :] - pos[:, None]  # [n, L]: t - p
+    if alibi_slopes is not None:
+        logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[:, None, None] * rel[None]
+    logits = np.where(rel[None] <= 0, logits, -np.inf)
+    logits -= logits.max(axis=2, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=2, keepdims=True)
+    return np.einsum("hnl,lhd->nhd", p, vv)
+
+
 def paged_attention_ref(
     query: Any,
     key_cache: Any,
@@ -113,12 +138,24 @@ def paged_attention_ref(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    query_start_loc: Optional[Any] = None,
 ) -> np.ndarray:
-    """float64 [S, H, D] reference of :func:`pagedattn.paged_attention`."""
+    """float64 reference of :func:`pagedattn.paged_attention`: [S, H, D], or [T, H, D]
+    with ``query_start_loc`` (each sequence's rows are its last tokens, causal)."""
     query = np.asarray(query).astype(np.float64)
     s, h, d = query.shape
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     out = np.zeros((s, h, d))
+    if query_start_loc is not None:
+        qsl = np.asarray(query_start_loc).astype(np.int64)
+        for i in range(len(qsl) - 1):
+            lo, hi, length = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            k, v = gather_kv(
+                key_cache, value_cache, block_tables[i], length,
+                kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+            out[lo:hi] = causal_attention(query[lo:hi], k, v, scale, alibi_slopes)
+        return out
     for i in range(s):
         length = int(seq_lens[i])
         k, v = gather_kv(

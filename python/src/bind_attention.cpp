@@ -35,13 +35,17 @@ int convert_decode(CallArrays& a, nb::handle query, nb::handle key_cache, nb::ha
   a.add(seq_lens, "seq_lens");
   const int alibi = a.add_optional(kw.alibi_slopes, "alibi_slopes");
   const int ws = a.add_optional(kw.workspace, "workspace", /*written=*/true);
+  const int qsl = a.add_optional(kw.query_start_loc, "query_start_loc");
   if (alibi >= 0) kw.options.alibi_slopes = a[alibi];
   if (ws >= 0) kw.options.workspace = a[ws];
+  if (qsl >= 0) kw.options.query_start_loc = a[qsl];
   kw.options.stream = a.stream(kw.stream, kQuery);
   if (!kw.out.is_none()) return a.add(kw.out, "out", /*written=*/true);
   const TensorView& q = a[kQuery];
   const TensorView &bt = a[kBlockTables], &sl = a[kSeqLens];
-  if (q.ndim != 3 || bt.ndim < 1 || sl.ndim < 1 || bt.shape[0] != q.shape[0] || sl.shape[0] != q.shape[0]) {
+  // The number of sequences: the query's rows (decode) or len(query_start_loc) - 1.
+  const std::int64_t seqs = qsl >= 0 ? (a[qsl].ndim == 1 ? a[qsl].shape[0] - 1 : -1) : q.ndim > 0 ? q.shape[0] : -1;
+  if (q.ndim != 3 || bt.ndim < 1 || sl.ndim < 1 || seqs < 0 || bt.shape[0] != seqs || sl.shape[0] != seqs) {
     // The validation pass names what is wrong (the query's own shape, or an index array
     // that disagrees with it) before anything is allocated.
     PreparedDecode check(q, q, a[kKeyCache], a[kValueCache], bt, sl, kw.options);
@@ -157,7 +161,9 @@ std::string doc(const char* head, unsigned set, const char* tail = "") {
 }
 
 constexpr const char* kDecodeDoc =
-    "Paged attention of one new query token per sequence over its paged KV cache (decode).\n\n"
+    "Paged attention over a paged KV cache: one new query token per sequence (decode), or\n"
+    "with query_start_loc any number of each sequence's last tokens (chunked prefill and\n"
+    "mixed prefill + decode batches; query and out are then [T, H, D], causal).\n\n"
     "Shapes (S sequences, H query heads, K KV heads, D head size, B block size, N blocks,\n"
     "M max blocks per sequence, x = 16 / element size of the cache):\n"
     "    query        [S, H, D]; may be strided in its first two dimensions\n"
@@ -179,7 +185,6 @@ PyObject* paged_attention_fastcall(PyObject*, PyObject* const* args, Py_ssize_t 
     nb::handle arrays[5];
     for (Py_ssize_t i = 0; i < nargs; ++i) arrays[i] = args[i];
     CallKeywords kw;
-    kw.out = kw.alibi_slopes = kw.workspace = kw.stream = nb::none();
     const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t j = 0; j < nkw; ++j) {
       PyObject* key = PyTuple_GET_ITEM(kwnames, j);

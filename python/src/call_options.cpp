@@ -82,6 +82,15 @@ const Keyword kKeywords[] = {
      [](CallKeywords& k, nb::handle v, const char*) { k.workspace = v; }},
     {"check_block_tables", kDecode, "bool", "False", "CUDA: raise on out-of-range block ids (synchronises)",
      [](CallKeywords& k, nb::handle v, const char* n) { k.options.check_block_tables = as_bool(v, n); }},
+    {"query_start_loc", kDecodeCall, "Any", "None",
+     "int32 [S + 1]: varlen queries (chunked prefill, mixed batches); query and out are then [T, H, D] and "
+     "sequence i owns rows query_start_loc[i] .. query_start_loc[i + 1], its last tokens (causal)",
+     [](CallKeywords& k, nb::handle v, const char*) { k.query_start_loc = v; }},
+    {"max_query_len", kDecodeCall, "int | None", "None",
+     "with query_start_loc: a host-side bound on every sequence's query rows (sizes the CUDA grid; default T)",
+     [](CallKeywords& k, nb::handle v, const char* n) {
+       k.options.max_query_len = v.is_none() ? std::nullopt : std::optional<int>(int_arg(v, n));
+     }},
     {"stream", kDecodeCall | kCacheWrite, "Any", "None",
      "CUDA stream: an int handle or an object with __cuda_stream__ (default: the arrays' framework's current one)",
      [](CallKeywords& k, nb::handle v, const char*) { k.stream = v; }},
@@ -135,7 +144,6 @@ void set_keyword(const char* fn, unsigned set, PyObject* key, nb::handle value, 
 }
 
 void parse_keywords(const char* fn, unsigned set, nb::handle kwargs, CallKeywords* out) {
-  out->out = out->alibi_slopes = out->workspace = out->stream = nb::none();
   if (!kwargs.is_valid() || kwargs.is_none()) return;
   PyObject* key = nullptr;
   PyObject* value = nullptr;

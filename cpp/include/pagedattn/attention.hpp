@@ -43,6 +43,13 @@ struct AttentionOptions {
   std::optional<TensorView> workspace;      // CUDA scratch (any dtype, on the device), or none
   bool check_block_tables = false;          // CUDA: raise on out-of-range block ids (synchronises)
   void* stream = nullptr;                   // cudaStream_t; null = the default stream
+  // Varlen queries (chunked prefill, mixed prefill + decode batches): int32 [S + 1]; see
+  // paged_attention. Absent: one query token per sequence (decode).
+  std::optional<TensorView> query_start_loc;
+  // Host-side upper bound on every query_start_loc[i + 1] - query_start_loc[i]: sizes the
+  // CUDA grid without reading device memory. Absent: the CUDA path bounds it by T (correct,
+  // more idle CTAs); the host path reads the exact value.
+  std::optional<int> max_query_len;
 };
 
 // out[s, h, :] = softmax(scale * q[s, h] . K[s, kv(h)] + alibi) @ V[s, kv(h)]
@@ -53,6 +60,14 @@ struct AttentionOptions {
 //   block_tables int32 [S, M]
 //   seq_lens     int32 [S]
 // Query head h reads KV head h / (H / K). A sequence of length 0 yields zeros.
+//
+// Varlen form (options.query_start_loc given): query and out are [T, H, D] and sequence
+// i owns rows qsl[i] .. qsl[i + 1] (qsl[0] = 0, non-decreasing, qsl[S] = T). Those
+// q_i = qsl[i + 1] - qsl[i] rows are the sequence's LAST q_i tokens: row j sits at
+// position p = seq_lens[i] - q_i + j and attends to key positions 0 .. p (causal,
+// aligned bottom-right), all read from the paged cache (write the new tokens' keys and
+// values with reshape_and_cache first). q_i may be 0; q_i > seq_lens[i] is an error.
+// ALiBi adds slope[h] * (t - p). With every q_i = 1 the numbers equal the decode form's.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, const AttentionOptions& options = {});
