@@ -19,6 +19,7 @@
 #include "cuda/decode_reduce.cuh"
 #include "cuda/device.cuh"
 #include "cuda/error_record.cuh"
+#include "cuda/prefill_launch.cuh"
 #include "cuda/scratch_pool.cuh"
 #include "cuda_backend.hpp"
 
@@ -46,6 +47,7 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);
   if (p.num_seqs == 0) return;
+  if (p.query_start_loc && !varlen_is_decode(p)) return paged_attention_varlen(p, stream);
   // Only the checking mode (and a scratch pool that must grow, see CallScratch) cares about
   // capture; the capture query is skipped otherwise, to keep the host cost of a call low.
   if (p.check_block_tables && stream_is_capturing(stream))

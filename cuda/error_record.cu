@@ -64,6 +64,15 @@ void raise_recorded_error(const DeviceErrorRecord& rec, const DecodeParams& p) {
       fail<OutOfRange>("seq_lens[", rec.seq, "] = ", rec.value, " is outside [0, max_blocks_per_seq * block_size = ",
                        static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size,
                        "] (the affected outputs were set to NaN)");
+    case DecodeErrorFlag::kQueryStart:
+      fail<InvalidArgument>("query_start_loc[", rec.seq, "] = ", rec.index, ", query_start_loc[", rec.seq + 1,
+                            "] = ", rec.value, " is not a row range inside the query's num_tokens ", p.num_tokens,
+                            " (the affected outputs were set to NaN)");
+    case DecodeErrorFlag::kQueryRows:
+      fail<InvalidArgument>("query_start_loc: sequence ", rec.seq, " has ", rec.index, " query rows but seq_lens[",
+                            rec.seq, "] = ", rec.value,
+                            p.max_query_len >= 0 ? detail::concat(" and max_query_len = ", p.max_query_len) : "",
+                            "; at most that many are allowed (the affected outputs were set to NaN)");
   }
   fail<CudaError>("paged_attention: the kernels left an unknown error flag ", rec.flag);
 }

@@ -18,6 +18,8 @@ enum class DecodeErrorFlag : int {
   kNone = 0,
   kBlockId = 1,  // block_tables[seq, index] = value is outside [0, num_blocks)
   kSeqLen = 2,   // seq_lens[seq] = value is outside [0, max_blocks_per_seq * block_size]
+  kQueryStart = 3,  // varlen: query_start_loc[seq], [seq + 1] = index, value is not a row range of the query
+  kQueryRows = 4,   // varlen: sequence seq has index query rows, more than seq_lens[seq] = value or max_query_len
 };
 
 // Device global memory, zeroed before the kernels run.

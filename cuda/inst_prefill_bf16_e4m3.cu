@@ -1,0 +1,6 @@
+// Varlen kernels for one (query dtype, cache kind) pair; see prefill_inst.cuh.
+#include "cuda/prefill_inst.cuh"
+
+namespace pagedattn::cuda_backend {
+template DecodeKernelInfo prefill_kernel<__nv_bfloat16, KVCacheDType::kFp8E4M3>(int, CacheLayout);
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,96 @@
+// The varlen (chunked prefill / mixed batch) launcher: one kernel over (query tile, KV
+// head, sequence). The grid is sized from host-known numbers only, never from device
+// memory: query tiles = ceil(bound * G / rows per CTA) with bound = max_query_len when
+// the caller gives it, else T; CTAs past their sequence's rows exit at once. Nothing is
+// allocated and the host never waits, except with check_block_tables, which reads the
+// call's error record back (cuda/error_record.cuh).
+#include <optional>
+
+#include "cuda/decode_dispatch.cuh"
+#include "cuda/device.cuh"
+#include "cuda/error_record.cuh"
+#include "cuda/prefill_inst.cuh"
+#include "cuda/prefill_launch.cuh"
+
+namespace pagedattn::cuda_backend {
+namespace {
+
+DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
+  DecodeKernelInfo info;
+  const bool found = visit_dtype(p.dtype, [&](auto dc) {
+    using T = typename CudaElement<decltype(dc)::value>::type;
+    if (!visit_kv_cache_dtype(p.kv_cache_dtype, [&](auto kc) {
+          info = prefill_kernel<T, decltype(kc)::value>(p.head_size, p.layout);
+        }))
+      fail<NotSupported>("kv_cache_dtype: \"", kv_cache_dtype_name(p.kv_cache_dtype),
+                         "\" is not supported on CUDA");
+  });
+  if (!found)
+    fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " is not supported; dtypes: ",
+                       supported::dtypes_str());
+  return info;
+}
+
+}  // namespace
+
+void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream) {
+  if (p.check_block_tables && stream_is_capturing(stream))
+    fail<InvalidArgument>("check_block_tables=True needs a host synchronisation and cannot run during CUDA graph "
+                          "capture");
+  const DecodeKernelInfo kernel = select_prefill_kernel(p);
+  kernel_slots_per_sm(kernel, p.device_id);  // sets the kernel's shared-memory limit once per device
+
+  const int group = p.num_heads / p.num_kv_heads;
+  const std::int64_t bound = p.max_query_len >= 0 ? std::min<std::int64_t>(p.max_query_len, p.num_tokens)
+                                                  : p.num_tokens;
+  const std::int64_t tiles = (bound * group + kernel.rows - 1) / kernel.rows;
+  if (tiles == 0) return;  // no query rows at all
+  if (tiles > 0x7fffffff)
+    fail<NotSupported>("query: ", bound, " rows per sequence x ", group,
+                       " heads per KV head is more than the CUDA grid can index; pass a smaller max_query_len "
+                       "or split the call");
+
+  PrefillKernelParams k{};
+  k.out = p.out;
+  k.o_stride_tok = p.o_stride_seq;
+  k.o_stride_head = p.o_stride_head;
+  k.query = p.query;
+  k.q_stride_tok = p.q_stride_seq;
+  k.q_stride_head = p.q_stride_head;
+  k.key_cache = p.key_cache;
+  k.value_cache = p.value_cache;
+  k.block_tables = p.block_tables;
+  k.seq_lens = p.seq_lens;
+  k.query_start_loc = p.query_start_loc;
+  k.alibi_slopes = p.alibi_slopes;
+  k.num_seqs = p.num_seqs;
+  k.num_heads = p.num_heads;
+  k.num_kv_heads = p.num_kv_heads;
+  k.head_size = p.head_size;
+  k.block_size = p.block_size;
+  k.max_blocks_per_seq = p.max_blocks_per_seq;
+  k.num_blocks = p.num_blocks;
+  k.num_tokens = static_cast<int>(p.num_tokens);
+  k.max_query_len = p.max_query_len;
+  k.group = group;
+  const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
+  k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
+  k.v_scale = fp8 ? p.v_scale : 1.0f;
+
+  std::optional<ErrorRecordLease> record;  // checked calls only: the call's own record
+  if (p.check_block_tables) {
+    record.emplace(p.device_id);
+    record->zero(stream);
+    k.error = record->get();
+  }
+  void* args[] = {&k};
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads),
+                  static_cast<unsigned>(p.num_seqs));
+  check_cuda(cudaLaunchKernel(kernel.func, grid, dim3(kernel.threads), args, static_cast<std::size_t>(kernel.smem),
+                              stream),
+             "paged_attention: varlen kernel launch");
+  check_launch("paged_attention: varlen kernel");
+  if (record) raise_recorded_error(record->take(stream), p);
+}
+
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,284 @@
+// Tensor-core varlen kernel (f16 / bf16 queries; caches of the same dtype or fp8), in the
+// FlashAttention-2 form over the paged cache.
+//
+// One CTA = (tile of kBM packed query rows, KV head, sequence). The rows of a sequence
+// are its (query token, group head) pairs, token-major: row r is token r / G of query
+// head kh * G + r % G, so the G query heads of a GQA group share every key and value
+// tile the CTA reads. Four warps own 16 rows each (the M of mma.m16n8k16). The CTA walks
+// the sequence's keys in tiles of kBN tokens gathered through the block table into
+// shared memory (cp.async, double-buffered; fp8 caches are converted to the query's
+// type on the way in), computes S = Q K^T, keeps an online softmax in float32 (base 2)
+// and accumulates O += P V with P kept in registers. Key tiles wholly above the causal
+// diagonal of the CTA's last row are never visited; the tiles that cross the diagonal
+// are masked element by element.
+//
+// Shared memory: Q [kBM][D + 8], K [kBN][D + 8] x 2 stages, V nhd [kBN][D + 8] (read
+// with ldmatrix.trans) or vllm [D][kBN + 8] (the cache's own dim-major rows, read with
+// ldmatrix): the 16-byte pad makes every ldmatrix phase conflict-free.
+#pragma once
+
+#include "cuda/mma.cuh"
+#include "cuda/prefill_params.cuh"
+
+namespace pagedattn::cuda_backend {
+
+template <class T, KVCacheDType F, int D, CacheLayout L>
+struct PrefillMmaConfig {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBM = 16 * kWarps;           // packed query rows per CTA
+  static constexpr int kBN = D <= 128 ? 64 : 32;    // keys per tile
+  static constexpr int kPitch = D + 8;              // elements per row of Q, K and nhd V
+  static constexpr int kVtPitch = kBN + 8;          // elements per row of vllm V ([D][kBN])
+  static constexpr int kQBytes = kBM * kPitch * 2;
+  static constexpr int kKBytes = kBN * kPitch * 2;
+  static constexpr int kVBytes = L == CacheLayout::kVLLM ? D * kVtPitch * 2 : kBN * kPitch * 2;
+  static constexpr int kSmemBytes = kQBytes + 2 * (kKBytes + kVBytes);
+  static constexpr int kE = F == KVCacheDType::kAuto ? 2 : 1;  // cache element bytes
+  static_assert(D % 16 == 0, "the tensor-core prefill kernel needs a head size multiple of 16");
+};
+
+// Eight consecutive cache elements (16 bytes of a 16-bit cache, 8 of an fp8 one) into 16
+// bytes of shared memory as T; `n` of them valid (the rest are zeros, never read).
+template <class T, KVCacheDType F>
+__device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n) {
+  if constexpr (F == KVCacheDType::kAuto) {
+    cp_async16(dst, src, n * 2);
+  } else {
+    uint2 raw = make_uint2(0, 0);
+    if (n == 8) {
+      raw = *static_cast<const uint2*>(src);
+    } else {
+      const auto* b = static_cast<const std::uint8_t*>(src);
+      std::uint32_t w[2] = {0, 0};
+      for (int i = 0; i < n; ++i) w[i / 4] |= static_cast<std::uint32_t>(b[i]) << (8 * (i % 4));
+      raw = make_uint2(w[0], w[1]);
+    }
+    uint4 v;
+    v.x = fp8x2_to<T, F>(raw.x);
+    v.y = fp8x2_to<T, F>(raw.x >> 16);
+    v.z = fp8x2_to<T, F>(raw.y);
+    v.w = fp8x2_to<T, F>(raw.y >> 16);
+    *static_cast<uint4*>(dst) = v;
+  }
+}
+
+// Loads keys and values [t0, t0 + kBN) of KV head kh (those at or past kv_end as zeros).
+template <class C, class T, KVCacheDType F, int D, CacheLayout L>
+__device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh,
+                                                  int t0, int kv_end, T* ks, T* vs) {
+  constexpr int kChunks = D / 8;  // 8-element pieces of a row
+  const int B = p.block_size, K = p.num_kv_heads;
+  const auto* kc = static_cast<const std::uint8_t*>(p.key_cache);
+  const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
+  for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
+    const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
+    const bool live = t < kv_end;
+    const std::int64_t blk = live ? table[t / B] : 0;
+    const int off = t % B;
+    std::int64_t ki;  // element index of the piece in the key cache
+    if constexpr (L == CacheLayout::kNHD) {
+      ki = ((blk * B + off) * K + kh) * D + c * 8;
+    } else {
+      constexpr int kX = 16 / C::kE;
+      ki = (((blk * K + kh) * (D / kX) + c * 8 / kX) * B + off) * kX + (c * 8) % kX;
+    }
+    prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + ki * C::kE, live ? 8 : 0);
+    if constexpr (L == CacheLayout::kNHD) prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + ki * C::kE, live ? 8 : 0);
+  }
+  if constexpr (L == CacheLayout::kVLLM) {
+    // V rows are [D][B] per block: eight consecutive tokens of one head dim per piece
+    // (blocks hold a multiple of 8 tokens, so a piece never straddles two blocks).
+    constexpr int kGroups = C::kBN / 8;
+    for (int u = threadIdx.x; u < D * kGroups; u += C::kThreads) {
+      const int d = u / kGroups, g = u % kGroups, t = t0 + g * 8;
+      const int n = min(8, max(0, kv_end - t));
+      const std::int64_t blk = n > 0 ? table[t / B] : 0;
+      const std::int64_t vi = ((blk * K + kh) * D + d) * B + t % B;
+      prefill_load8<T, F>(vs + d * C::kVtPitch + g * 8, vc + vi * C::kE, n);
+    }
+  }
+}
+
+template <class T, KVCacheDType F, int D, CacheLayout L>
+__global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads)
+    prefill_mma_kernel(const __grid_constant__ PrefillKernelParams p) {
+  using C = PrefillMmaConfig<T, F, D, L>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* qs = reinterpret_cast<T*>(smem);
+  T* ks_base = reinterpret_cast<T*>(smem + C::kQBytes);
+  T* vs_base = reinterpret_cast<T*>(smem + C::kQBytes + 2 * C::kKBytes);
+
+  const int s = blockIdx.z, kh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const PrefillSeq q = prefill_seq(p, s);
+  const int G = p.group;
+  const int rows = q.q_len * G;
+  const int r_lo = tile * C::kBM;
+  if (r_lo >= rows) return;
+  const int r_hi = min(rows, r_lo + C::kBM);
+  if (!q.ok) {
+    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
+    prefill_fill_nan<T>(p, q.row0, kh, r_lo, tile == static_cast<int>(gridDim.x) - 1 ? rows : r_hi);
+    return;
+  }
+  const int ctx = q.len - q.q_len;
+  const int kv_end = ctx + (r_hi - 1) / G + 1;  // keys the CTA's last row sees
+  if (!prefill_blocks_ok(p, s, kv_end)) {
+    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
+    return;
+  }
+  const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+  const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
+  prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+  cp_async_commit();
+
+  // Q tile (rows past the sequence's are zeros), element by element: the query may be
+  // strided without 16-byte alignment.
+  for (int i = threadIdx.x; i < C::kBM * D; i += C::kThreads) {
+    const int rr = i / D, d = i % D, r = r_lo + rr;
+    T v = from_float<T>(0.0f);
+    if (r < rows) {
+      const int tok = q.row0 + r / G, h = kh * G + r % G;
+      v = static_cast<const T*>(p.query)[tok * p.q_stride_tok + h * p.q_stride_head + d];
+    }
+    qs[rr * C::kPitch + d] = v;
+  }
+  __syncthreads();
+  std::uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int m = lane / 8;
+    ldmatrix_x4(qf[kk], qs + (warp * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m / 2) * 8);
+  }
+
+  // This thread's two rows (C fragment rows lane / 4 and lane / 4 + 8).
+  int pos[2];
+  float slope[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + warp * 16 + lane / 4 + hr * 8;
+    pos[hr] = r < rows ? ctx + r / G : -1;  // -1: a padding row, every key masked
+    slope[hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
+  }
+  const int min_pos = ctx + r_lo / G;  // the CTA's first row
+
+  float o[D / 8][4] = {};
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    const int stage = kt & 1;
+    if (kt + 1 < n_tiles) {
+      const int nxt = stage ^ 1;
+      prefill_load_tile<C, T, F, D, L>(p, table, kh, (kt + 1) * C::kBN, kv_end, ks_base + nxt * (C::kKBytes / 2),
+                                       vs_base + nxt * (C::kVBytes / 2));
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* ks = ks_base + stage * (C::kKBytes / 2);
+    const T* vs = vs_base + stage * (C::kVBytes / 2);
+
+    float sc[C::kBN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < C::kBN / 16; ++np) {
+        const int m = lane / 8;
+        std::uint32_t b[4];
+        ldmatrix_x4(b, ks + (np * 16 + (m / 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m % 2) * 8);
+        mma16816<T>(sc[2 * np], qf[kk], b[0], b[1]);
+        mma16816<T>(sc[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+
+    const int t0 = kt * C::kBN;
+    const bool masked = t0 + C::kBN - 1 > min_pos;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < C::kBN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e / 2;
+        const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
+        float x = sc[n][e] * p.qk_scale_log2 + slope[hr] * static_cast<float>(t - pos[hr]);
+        if (masked && t > pos[hr]) x = -INFINITY;
+        sc[n][e] = x;
+        mx[hr] = fmaxf(mx[hr], x);
+      }
+    }
+    float corr[2], m_use[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+      const float m_new = fmaxf(m_run[hr], mx[hr]);
+      m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet
+      corr[hr] = exp2f(m_run[hr] - m_use[hr]);
+      m_run[hr] = m_new;
+      l_run[hr] *= corr[hr];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= corr[0];
+      o[n][1] *= corr[0];
+      o[n][2] *= corr[1];
+      o[n][3] *= corr[1];
+    }
+#pragma unroll
+    for (int n = 0; n < C::kBN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float w = exp2f(sc[n][e] - m_use[e / 2]);
+        sc[n][e] = w;
+        l_run[e / 2] += w;
+      }
+    }
+
+#pragma unroll
+    for (int ks16 = 0; ks16 < C::kBN / 16; ++ks16) {
+      std::uint32_t a[4];
+      a[0] = pack2<T>(sc[2 * ks16][0], sc[2 * ks16][1]);
+      a[1] = pack2<T>(sc[2 * ks16][2], sc[2 * ks16][3]);
+      a[2] = pack2<T>(sc[2 * ks16 + 1][0], sc[2 * ks16 + 1][1]);
+      a[3] = pack2<T>(sc[2 * ks16 + 1][2], sc[2 * ks16 + 1][3]);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        const int m = lane / 8;
+        std::uint32_t b[4];
+        if constexpr (L == CacheLayout::kVLLM) {
+          ldmatrix_x4(b, vs + (dn * 16 + (m / 2) * 8 + lane % 8) * C::kVtPitch + ks16 * 16 + (m % 2) * 8);
+        } else {
+          ldmatrix_x4_trans(b, vs + (ks16 * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + dn * 16 + (m / 2) * 8);
+        }
+        mma16816<T>(o[2 * dn], a, b[0], b[1]);
+        mma16816<T>(o[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's loads
+  }
+
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 1);
+    l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 2);
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + warp * 16 + lane / 4 + hr * 8;
+    if (r >= rows) continue;
+    const int tok = q.row0 + r / G, h = kh * G + r % G;
+    T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
+    const float inv = p.v_scale / l_run[hr];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int d = n * 8 + 2 * (lane % 4);
+      orow[d] = from_float<T>(o[n][2 * hr] * inv);
+      orow[d + 1] = from_float<T>(o[n][2 * hr + 1] * inv);
+    }
+  }
+}
+
+}  // namespace pagedattn::cuda_backend

@@ -1,0 +1,104 @@
+// The parameter struct of the varlen (prefill) kernels, passed by value, and the device
+// checks every CTA makes on the index arrays it reads before it reads any cache memory.
+//
+// Dimension legend: S seqs, T query rows, H query heads, K KV heads, G = H / K, D head
+// size, B block size, N blocks, M max blocks per seq.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/error_record.cuh"
+
+namespace pagedattn::cuda_backend {
+
+struct PrefillKernelParams {
+  void* out;  // [T, H, D], query dtype
+  std::int64_t o_stride_tok, o_stride_head;
+  const void* query;  // [T, H, D]
+  std::int64_t q_stride_tok, q_stride_head;
+  const void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
+  const void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D]
+  const std::int32_t* block_tables;     // [S, M]
+  const std::int32_t* seq_lens;         // [S]
+  const std::int32_t* query_start_loc;  // [S + 1]
+  const float* alibi_slopes;            // [H] or null
+
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  std::int64_t num_blocks;
+  int num_tokens;     // T
+  int max_query_len;  // the caller's bound, or -1
+  int group;          // G
+
+  float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
+  float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)
+
+  DeviceErrorRecord* error;  // the checked call's record, or null
+};
+
+// One sequence's part of a varlen call, as a CTA sees it after the checks.
+struct PrefillSeq {
+  int row0;   // its first query row
+  int q_len;  // its query rows
+  int len;    // its tokens (keys)
+  bool ok;    // false: the index arrays are invalid for this sequence (outputs get NaN)
+};
+
+// Reads and checks sequence s's query range and length. Every thread of the CTA reads
+// the same values, so all agree. A bad entry is recorded (checked calls) and makes the
+// sequence's rows NaN; nothing outside the arrays is ever read or written.
+__device__ __forceinline__ PrefillSeq prefill_seq(const PrefillKernelParams& p, int s) {
+  PrefillSeq q;
+  const int a = p.query_start_loc[s], b = p.query_start_loc[s + 1];
+  q.row0 = a;
+  q.q_len = b - a;
+  q.len = p.seq_lens[s];
+  q.ok = true;
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+  if (a < 0 || b < a || b > p.num_tokens) {
+    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kQueryStart, s, a, b);
+    q.ok = false;
+    // The part of [a, b) inside the query gets NaN.
+    q.row0 = a < 0 ? 0 : (a > p.num_tokens ? p.num_tokens : a);
+    const int hi = b < q.row0 ? q.row0 : (b > p.num_tokens ? p.num_tokens : b);
+    q.q_len = hi - q.row0;
+  } else if (q.len < 0 || q.len > max_len) {
+    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kSeqLen, s, -1, q.len);
+    q.ok = false;
+  } else if (q.q_len > q.len || (p.max_query_len >= 0 && q.q_len > p.max_query_len)) {
+    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kQueryRows, s, q.q_len, q.len);
+    q.ok = false;
+  }
+  return q;
+}
+
+// Checks the block ids of tokens [0, kv_end) of sequence s: true when all are inside the
+// pool (every thread gets the same answer; the first bad one is recorded).
+__device__ __forceinline__ bool prefill_blocks_ok(const PrefillKernelParams& p, int s, int kv_end) {
+  const int nb = (kv_end + p.block_size - 1) / p.block_size;
+  const std::int32_t* row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+  int bad = 0;
+  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+    const int id = row[i];
+    if (id < 0 || id >= p.num_blocks) {
+      record_error(p.error, DecodeErrorFlag::kBlockId, s, i, id);
+      bad = 1;
+    }
+  }
+  return __syncthreads_or(bad) == 0;
+}
+
+// Writes NaN to the rows [r_lo, r_hi) of packed (token, group head) rows of KV head kh of
+// a sequence whose first query row is row0 (an invalid sequence's outputs).
+template <class T>
+__device__ __forceinline__ void prefill_fill_nan(const PrefillKernelParams& p, int row0, int kh, int r_lo, int r_hi) {
+  const int D = p.head_size;
+  const T nan = from_float<T>(__int_as_float(0x7fc00000));
+  for (int i = threadIdx.x; i < (r_hi - r_lo) * D; i += blockDim.x) {
+    const int r = r_lo + i / D, d = i % D;
+    const int tok = row0 + r / p.group, h = kh * p.group + r % p.group;
+    static_cast<T*>(p.out)[tok * p.o_stride_tok + h * p.o_stride_head + d] = nan;
+  }
+}
+
+}  // namespace pagedattn::cuda_backend

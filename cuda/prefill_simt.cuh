@@ -1,0 +1,101 @@
+// CUDA-core varlen kernel: float32 queries, and head sizes without a tensor-core kernel.
+//
+// One warp per packed (query token, group head) row, four rows per CTA; the lanes split
+// the head dimension. Keys are visited one at a time with an exact online softmax, so
+// the kernel is simple rather than fast: the tensor-core kernel (prefill_mma.cuh) is the
+// fast path for 16-bit queries.
+#pragma once
+
+#include "cuda/prefill_params.cuh"
+
+namespace pagedattn::cuda_backend {
+
+constexpr int kPrefillSimtWarps = 4;
+constexpr int kPrefillSimtDims = supported::kCudaMaxHeadSize / 32;  // head dims per lane
+
+// Cache element (token t's block `blk`, offset `off`; head dim d) as float, fp8 not yet scaled.
+template <class T, KVCacheDType F, CacheLayout L, bool KEY>
+__device__ __forceinline__ float prefill_cache_elem(const PrefillKernelParams& p, std::int64_t blk, int off, int kh,
+                                                    int d) {
+  constexpr int kE = F == KVCacheDType::kAuto ? static_cast<int>(sizeof(T)) : 1;
+  constexpr int kX = supported::kCacheChunkBytes / kE;
+  const int D = p.head_size, B = p.block_size, K = p.num_kv_heads;
+  std::int64_t i;
+  if constexpr (L == CacheLayout::kNHD) {
+    i = ((blk * B + off) * K + kh) * D + d;
+  } else if constexpr (KEY) {
+    i = (((blk * K + kh) * (D / kX) + d / kX) * B + off) * kX + d % kX;
+  } else {
+    i = ((blk * K + kh) * D + d) * B + off;
+  }
+  const void* base = KEY ? p.key_cache : p.value_cache;
+  if constexpr (F == KVCacheDType::kAuto) return to_float(static_cast<const T*>(base)[i]);
+  else return fp8_to_float<F>(static_cast<const std::uint8_t*>(base)[i]);
+}
+
+template <class T, KVCacheDType F, CacheLayout L>
+__global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(const __grid_constant__ PrefillKernelParams p) {
+  const int s = blockIdx.z, kh = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const PrefillSeq q = prefill_seq(p, s);
+  const int rows = q.q_len * p.group;
+  const int r_lo = blockIdx.x * kPrefillSimtWarps;
+  if (r_lo >= rows) return;
+  const int r_hi = min(rows, r_lo + kPrefillSimtWarps);
+  if (!q.ok) {
+    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
+    prefill_fill_nan<T>(p, q.row0, kh, r_lo, blockIdx.x + 1 == gridDim.x ? rows : r_hi);
+    return;
+  }
+  const int ctx = q.len - q.q_len;
+  const int kv_end = ctx + (r_hi - 1) / p.group + 1;  // keys the CTA's last row sees
+  if (!prefill_blocks_ok(p, s, kv_end)) {
+    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
+    return;
+  }
+  const int r = r_lo + warp;
+  if (r >= rows) return;
+  const int tok = q.row0 + r / p.group, h = kh * p.group + r % p.group;
+  const int pos = ctx + r / p.group;
+  const int D = p.head_size;
+  const T* qrow = static_cast<const T*>(p.query) + tok * p.q_stride_tok + h * p.q_stride_head;
+  float qv[kPrefillSimtDims], acc[kPrefillSimtDims];
+#pragma unroll
+  for (int i = 0; i < kPrefillSimtDims; ++i) {
+    const int d = lane + 32 * i;
+    qv[i] = d < D ? to_float(qrow[d]) : 0.0f;
+    acc[i] = 0.0f;
+  }
+  const float slope = p.alibi_slopes ? p.alibi_slopes[h] * kLog2e : 0.0f;
+  const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+  float m = -INFINITY, l = 0.0f;
+  for (int t = 0; t <= pos; ++t) {
+    const std::int64_t blk = table[t / p.block_size];
+    const int off = t % p.block_size;
+    float part = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPrefillSimtDims; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) part += qv[i] * prefill_cache_elem<T, F, L, true>(p, blk, off, kh, d);
+    }
+    const float x = warp_sum(part) * p.qk_scale_log2 + slope * static_cast<float>(t - pos);
+    const float m_new = fmaxf(m, x);
+    const float corr = exp2f(m - m_new), w = exp2f(x - m_new);
+    l = l * corr + w;
+#pragma unroll
+    for (int i = 0; i < kPrefillSimtDims; ++i) {
+      const int d = lane + 32 * i;
+      acc[i] = acc[i] * corr + (d < D ? w * prefill_cache_elem<T, F, L, false>(p, blk, off, kh, d) : 0.0f);
+    }
+    m = m_new;
+  }
+  T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
+  const float inv = p.v_scale / l;
+#pragma unroll
+  for (int i = 0; i < kPrefillSimtDims; ++i) {
+    const int d = lane + 32 * i;
+    if (d < D) orow[d] = from_float<T>(acc[i] * inv);
+  }
+}
+
+}  // namespace pagedattn::cuda_backend
