@@ -14,6 +14,7 @@ copy bandwidth a large device-to-device copy, for the mixed step's GB/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -102,8 +103,8 @@ def bench_shape(sh, g, dense, copy_bw, flashinfer):
     for layout in ("vllm", "nhd"):
         q, kc, vc, bt, sl, qsl = make_inputs(sh, layout, g)
         out = torch.empty_like(q)
-        row[f"pagedattn_{layout}"] = timed(lambda: pagedattn.paged_attention(
-            q, kc, vc, bt, sl, query_start_loc=qsl, max_query_len=mql, out=out))  # fmt: skip
+        row[f"pagedattn_{layout}"] = timed(functools.partial(
+            pagedattn.paged_attention, q, kc, vc, bt, sl, query_start_loc=qsl, max_query_len=mql, out=out))  # fmt: skip
     # nhd cache for the peers: [N, B, K, D]
     q, kc, vc, bt, sl, qsl = make_inputs(sh, "nhd", g)
     spans = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(sh.seqs))]
@@ -134,7 +135,7 @@ def bench_shape(sh, g, dense, copy_bw, flashinfer):
                 indices = torch.cat(pages).to(torch.int32)
                 last = torch.tensor([(n - 1) % B + 1 for n, _ in sh.seqs], dtype=torch.int32, device=DEV)
                 w.plan(qsl, indptr, indices, last, sh.H, sh.K, sh.D, B, causal=True, q_data_type=sh.dtype)
-                row[f"flashinfer_{backend}"] = timed(lambda: w.run(q, (kc, vc)))
+                row[f"flashinfer_{backend}"] = timed(functools.partial(w.run, q, (kc, vc)))
             except Exception as e:  # a backend this GPU or build lacks
                 row[f"flashinfer_{backend}"] = f"n/a ({type(e).__name__})"
     dense_rate = dense[sh.dtype]
