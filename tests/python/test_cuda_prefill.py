@@ -40,8 +40,20 @@ def to_numpy(t):
     return t.numpy()
 
 
-def varlen(rng, seq_lens, q_lens, *, dtype="float16", layout="vllm", num_heads=8, num_kv_heads=2, head_size=128,
-           block_size=16, alibi=False, kv_cache_dtype="auto"):
+def varlen(
+    rng,
+    seq_lens,
+    q_lens,
+    *,
+    dtype="float16",
+    layout="vllm",
+    num_heads=8,
+    num_kv_heads=2,
+    head_size=128,
+    block_size=16,
+    alibi=False,
+    kv_cache_dtype="auto",
+):
     """A varlen problem: caches (NaN outside used slots) as NumPy arrays, the query
     [T, H, D] and query_start_loc; fp8 caches are written by reshape_and_cache."""
     dt = np_dtype(dtype)
