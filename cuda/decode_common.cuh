@@ -74,13 +74,25 @@ __device__ __forceinline__ int checked_seq_len(const DecodeKernelParams& p, int 
   return len;
 }
 
-// Writes `rows` heads of [D] outputs starting at head h0 with one value (0 or NaN).
+// The query / output row of sequence s: s itself, or in a mixed varlen batch the
+// sequence's one row when it has exactly one valid row, else -1 (the varlen kernel serves
+// it: prefill_seq() accepts it and it has another number of rows, or rejects it).
+__device__ __forceinline__ int decode_row(const DecodeKernelParams& p, int s) {
+  if (p.query_start_loc == nullptr) return s;
+  const int a = p.query_start_loc[s], b = p.query_start_loc[s + 1], len = p.seq_lens[s];
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+  const bool one = a >= 0 && b == a + 1 && b <= p.num_tokens && len >= 1 && len <= max_len && p.max_query_len != 0;
+  return one ? a : -1;
+}
+
+// Writes `rows` heads of [D] outputs of query row `row` starting at head h0 with one
+// value (0 or NaN).
 template <class T>
-__device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int h0, int rows, float v) {
+__device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int row, int h0, int rows, float v) {
   const int D = p.head_size;
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
     const int r = i / D, d = i % D;
-    T* o = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h0 + r) * p.o_stride_head;
+    T* o = static_cast<T*>(p.out) + row * p.o_stride_seq + static_cast<std::int64_t>(h0 + r) * p.o_stride_head;
     o[d] = from_float<T>(v);
   }
 }
@@ -90,6 +102,7 @@ __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int s, int
 // the caller can issue its block-id loads before waiting on it.
 struct CtaTask {
   int part, kvh, s;
+  int row;        // the query / output row (decode_row), -1: not this kernel's sequence
   int rows;       // valid query heads of the tile
   int h0;         // first query head of the tile
   int tok_begin;  // first token of the partition
@@ -103,6 +116,7 @@ __device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int til
   t.kvh = static_cast<int>(blockIdx.y) / p.num_head_tiles;
   const int row0 = static_cast<int>(blockIdx.y) % p.num_head_tiles * tile_rows;  // first row inside the group
   t.s = static_cast<int>(blockIdx.z);
+  t.row = decode_row(p, t.s);
   t.rows = min(tile_rows, p.group - row0);
   t.h0 = t.kvh * p.group + row0;
   t.tok_begin = t.part * p.partition_size;
@@ -125,9 +139,10 @@ __device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, con
 // turns an invalid length into NaN), zeros for length 0.
 template <class T>
 __device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const CtaTask& t) {
+  if (t.row < 0) return -1;
   const int len = checked_seq_len(p, t.s, t.raw_len);
   if (len < 0 || t.tok_begin >= len) {
-    if (p.part_out == nullptr) fill_out<T>(p, t.s, t.h0, t.rows, len < 0 ? NAN : 0.f);
+    if (p.part_out == nullptr) fill_out<T>(p, t.row, t.h0, t.rows, len < 0 ? NAN : 0.f);
     return -1;
   }
   return len;
@@ -142,7 +157,8 @@ __device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const Ct
 // row at a time (head sizes are multiples of 8), so a GQA group's rows take one pass.
 template <class T, int W, int R, int DP, int HEAD>
 __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
-                                           const float* slab, int s, int h0, int rows, int part, bool bad) {
+                                           const float* slab, int s, int row_out, int h0, int rows, int part,
+                                           bool bad) {
   const int D = HEAD ? HEAD : p.head_size;
   const int q4 = D / 4;
   const bool single = p.part_out == nullptr;
@@ -172,7 +188,7 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
     if (single) {
       // out may be strided by single elements: element stores
       T* out =
-          static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
+          static_cast<T*>(p.out) + row_out * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
       const float inv = 1.f / l;
       out[0] = from_float<T>(o.x * inv);
       out[1] = from_float<T>(o.y * inv);

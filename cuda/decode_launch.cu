@@ -47,7 +47,16 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);
   if (p.num_seqs == 0) return;
-  if (p.query_start_loc && !varlen_is_decode(p)) return paged_attention_varlen(p, stream);
+  // Varlen calls: a plain decode batch runs the decode kernels as they are; a checked
+  // call or one sequence runs the varlen kernel alone; otherwise the varlen kernel serves
+  // the sequences with more (or fewer) than one row and the decode kernels, queued behind
+  // it, the single-row ones: a mixed step's decodes cost what a decode batch costs.
+  bool mixed = false;
+  if (p.query_start_loc && !varlen_is_decode(p)) {
+    if (p.check_block_tables || p.num_seqs == 1) return paged_attention_varlen(p, stream, /*skip_single=*/false);
+    paged_attention_varlen(p, stream, /*skip_single=*/true);
+    mixed = true;
+  }
   // Only the checking mode (and a scratch pool that must grow, see CallScratch) cares about
   // capture; the capture query is skipped otherwise, to keep the host cost of a call low.
   if (p.check_block_tables && stream_is_capturing(stream))
@@ -68,6 +77,9 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   k.block_tables = p.block_tables;
   k.seq_lens = p.seq_lens;
   k.alibi_slopes = p.alibi_slopes;
+  k.query_start_loc = mixed ? p.query_start_loc : nullptr;
+  k.num_tokens = static_cast<int>(p.num_tokens);
+  k.max_query_len = p.max_query_len;
   k.num_seqs = p.num_seqs;
   k.num_heads = p.num_heads;
   k.num_kv_heads = p.num_kv_heads;

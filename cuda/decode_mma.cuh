@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   // ---- Q fragments (A operand), permuted dims, zero for rows >= `rows` / dims >= D
   std::uint32_t qa[C::kKSteps][4];
   auto load_q = [&]() {
-    const T* q0 = static_cast<const T*>(p.query) + s * p.q_stride_seq;
+    const T* q0 = static_cast<const T*>(p.query) + task.row * p.q_stride_seq;
 #pragma unroll
     for (int st = 0; st < C::kKSteps; ++st) {
       const int d0 = (4 * (st / C::kSPL) + c) * C::kV16 + (st % C::kSPL) * 4;
@@ -471,7 +471,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   }
   __syncthreads();
   PA_TRACE(10);
-  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part,
+                                                                   any_bad);
   PA_TRACE(11);
   PA_TRACE_PRINT("PT", my_chunks);
 }

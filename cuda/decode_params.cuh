@@ -22,6 +22,11 @@ struct DecodeKernelParams {
   const std::int32_t* block_tables;  // [S, M]
   const std::int32_t* seq_lens;      // [S]
   const float* alibi_slopes;         // [H] or null
+  // A mixed varlen batch (the varlen kernel serves the sequences with more than one row):
+  // [S + 1] row offsets, or null when row s of query / out is sequence s.
+  const std::int32_t* query_start_loc;
+  int num_tokens;     // T (mixed batches)
+  int max_query_len;  // the caller's bound, or -1 (mixed batches)
 
   int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
   std::int64_t num_blocks;

@@ -27,7 +27,9 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
   const int len = __ldg(p.seq_lens + s);  // an input: readable before the decode grid ends
   wait_for_primary_grid();  // launched early (sm_90+): the partials are complete after this
   PA_TRACE(1);
-  T* out = static_cast<T*>(p.out) + s * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
+  const int row = decode_row(p, s);
+  if (row < 0) return;  // a mixed batch's sequence the varlen kernel serves
+  T* out = static_cast<T*>(p.out) + row * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head;
   if (len <= 0 || static_cast<std::int64_t>(len) > static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size) {
     for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = from_float<T>(len == 0 ? 0.f : NAN);
     return;

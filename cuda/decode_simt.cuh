@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 
   float q[C::kRows][C::kPieces][4];
   float slope[C::kRows];
-  const float* qbase = static_cast<const float*>(p.query) + s * p.q_stride_seq;
+  const float* qbase = static_cast<const float*>(p.query) + task.row * p.q_stride_seq;
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
     slope[r] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[h0 + r] * kLog2e : 0.f;
@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     }
   }
   __syncthreads();
-  store_rows<float, C::kWarps, C::kRows, C::kHMax, HEAD>(p, red_m, red_l, slab, s, h0, rows, part, any_bad);
+  store_rows<float, C::kWarps, C::kRows, C::kHMax, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part,
+                                                                  any_bad);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -33,7 +33,7 @@ DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
 
 }  // namespace
 
-void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream) {
+void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool skip_single) {
   if (p.check_block_tables && stream_is_capturing(stream))
     fail<InvalidArgument>("check_block_tables=True needs a host synchronisation and cannot run during CUDA graph "
                           "capture");
@@ -73,6 +73,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream) {
   k.num_tokens = static_cast<int>(p.num_tokens);
   k.max_query_len = p.max_query_len;
   k.group = group;
+  k.skip_single = skip_single;
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
   k.v_scale = fp8 ? p.v_scale : 1.0f;

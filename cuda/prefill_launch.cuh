@@ -14,7 +14,8 @@ inline bool varlen_is_decode(const DecodeParams& p) {
   return p.max_query_len == 1 && p.num_tokens == p.num_seqs && !p.check_block_tables;
 }
 
-// p.query_start_loc set; everything validated.
-void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream);
+// p.query_start_loc set; everything validated. With skip_single the kernel leaves the
+// sequences of exactly one valid row to the decode kernels (decode_row()).
+void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool skip_single);
 
 }  // namespace pagedattn::cuda_backend

@@ -12,7 +12,7 @@
 // diagonal of the CTA's last row are never visited; the tiles that cross the diagonal
 // are masked element by element.
 //
-// Shared memory: Q [kBM][D + 8], K [kBN][D + 8] x 2 stages, V nhd [kBN][D + 8] (read
+// Shared memory: Q [kBM][D + 8] (staged once, under the ring), K [kBN][D + 8] x 2 stages, V nhd [kBN][D + 8] (read
 // with ldmatrix.trans) or vllm [D][kBN + 8] (the cache's own dim-major rows, read with
 // ldmatrix): the 16-byte pad makes every ldmatrix phase conflict-free.
 #pragma once
@@ -33,8 +33,14 @@ struct PrefillMmaConfig {
   static constexpr int kQBytes = kBM * kPitch * 2;
   static constexpr int kKBytes = kBN * kPitch * 2;
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? D * kVtPitch * 2 : kBN * kPitch * 2;
-  static constexpr int kSmemBytes = kQBytes + 2 * (kKBytes + kVBytes);
+  // The Q tile is staged at the start of the ring before the first key tile is issued,
+  // so it needs no room of its own (3 CTAs per SM at D = 128 instead of 2).
+  static constexpr int kRingBytes = 2 * (kKBytes + kVBytes);
+  static constexpr int kSmemBytes = kQBytes > kRingBytes ? kQBytes : kRingBytes;
   static constexpr int kE = F == KVCacheDType::kAuto ? 2 : 1;  // cache element bytes
+  // CTAs per SM the registers must allow (3 x 128 threads: at most 170 registers each);
+  // the larger heads keep their registers instead (their accumulators need them).
+  static constexpr int kMinBlocks = D <= 128 ? 3 : 1;
   static_assert(D % 16 == 0, "the tensor-core prefill kernel needs a head size multiple of 16");
 };
 
@@ -64,56 +70,61 @@ __device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n)
 }
 
 // Loads keys and values [t0, t0 + kBN) of KV head kh (those at or past kv_end as zeros).
+// Consecutive threads take consecutive 8-element pieces of the cache's own memory order,
+// so a warp's loads cover whole runs: nhd, a token's [D] row; vllm, a block's [D/x][B][x]
+// keys and [D][B] values, each one contiguous run per block and KV head.
 template <class C, class T, KVCacheDType F, int D, CacheLayout L>
 __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh,
                                                   int t0, int kv_end, T* ks, T* vs) {
-  constexpr int kChunks = D / 8;  // 8-element pieces of a row
   const int B = p.block_size, K = p.num_kv_heads;
   const auto* kc = static_cast<const std::uint8_t*>(p.key_cache);
   const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
-  for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
-    const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
-    const bool live = t < kv_end;
-    const std::int64_t blk = live ? table[t / B] : 0;
-    const int off = t % B;
-    std::int64_t ki;  // element index of the piece in the key cache
-    if constexpr (L == CacheLayout::kNHD) {
-      ki = ((blk * B + off) * K + kh) * D + c * 8;
-    } else {
-      constexpr int kX = 16 / C::kE;
-      ki = (((blk * K + kh) * (D / kX) + c * 8 / kX) * B + off) * kX + (c * 8) % kX;
+  if constexpr (L == CacheLayout::kNHD) {
+    constexpr int kChunks = D / 8;  // pieces of a token row
+    for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
+      const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
+      const bool live = t < kv_end;
+      const std::int64_t blk = live ? table[t / B] : 0;
+      const std::int64_t i = ((blk * B + t % B) * K + kh) * D + c * 8;
+      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + i * C::kE, live ? 8 : 0);
+      prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + i * C::kE, live ? 8 : 0);
     }
-    prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + ki * C::kE, live ? 8 : 0);
-    if constexpr (L == CacheLayout::kNHD) prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + ki * C::kE, live ? 8 : 0);
-  }
-  if constexpr (L == CacheLayout::kVLLM) {
-    // V rows are [D][B] per block: eight consecutive tokens of one head dim per piece
-    // (blocks hold a multiple of 8 tokens, so a piece never straddles two blocks).
-    constexpr int kGroups = C::kBN / 8;
-    for (int u = threadIdx.x; u < D * kGroups; u += C::kThreads) {
-      const int d = u / kGroups, g = u % kGroups, t = t0 + g * 8;
-      const int n = min(8, max(0, kv_end - t));
-      const std::int64_t blk = n > 0 ? table[t / B] : 0;
-      const std::int64_t vi = ((blk * K + kh) * D + d) * B + t % B;
-      prefill_load8<T, F>(vs + d * C::kVtPitch + g * 8, vc + vi * C::kE, n);
+  } else {
+    constexpr int kX = 16 / C::kE;      // elements per 16-byte chunk of the key layout
+    const int per_block = D * B / 8;    // pieces of one block and KV head (keys or values)
+    const int blocks = C::kBN / B;      // blocks per tile (the tile starts on a block)
+    for (int u = threadIdx.x; u < blocks * per_block; u += C::kThreads) {
+      const int bi = u / per_block, pc = u % per_block;
+      const int t_blk = t0 + bi * B;
+      // keys: piece pc = (chunk * B + token) * (kX / 8) + half
+      const int tok = pc / (kX / 8) % B;
+      const int kd = pc / (kX / 8) / B * kX + pc % (kX / 8) * 8;
+      // values: piece pc = dim * (B / 8) + group of 8 tokens
+      const int vd = pc / (B / 8), vt = pc % (B / 8) * 8;
+      const std::int64_t blk = t_blk < kv_end ? table[t_blk / B] : 0;
+      const std::int64_t base = (blk * K + kh) * D * B + static_cast<std::int64_t>(pc) * 8;
+      prefill_load8<T, F>(ks + (bi * B + tok) * C::kPitch + kd, kc + base * C::kE, t_blk + tok < kv_end ? 8 : 0);
+      prefill_load8<T, F>(vs + vd * C::kVtPitch + bi * B + vt, vc + base * C::kE,
+                          min(8, max(0, kv_end - (t_blk + vt))));
     }
   }
 }
 
 template <class T, KVCacheDType F, int D, CacheLayout L>
-__global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads)
+__global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, PrefillMmaConfig<T, F, D, L>::kMinBlocks)
     prefill_mma_kernel(const __grid_constant__ PrefillKernelParams p) {
   using C = PrefillMmaConfig<T, F, D, L>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   T* qs = reinterpret_cast<T*>(smem);
-  T* ks_base = reinterpret_cast<T*>(smem + C::kQBytes);
-  T* vs_base = reinterpret_cast<T*>(smem + C::kQBytes + 2 * C::kKBytes);
+  T* ks_base = reinterpret_cast<T*>(smem);
+  T* vs_base = reinterpret_cast<T*>(smem + 2 * C::kKBytes);
 
   const int s = blockIdx.z, kh = blockIdx.y;
   const int tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PrefillSeq q = prefill_seq(p, s);
   const int G = p.group;
+  if (p.skip_single && q.ok && q.q_len == 1) return;  // the decode kernels serve it
   const int rows = q.q_len * G;
   const int r_lo = tile * C::kBM;
   if (r_lo >= rows) return;
@@ -131,8 +142,6 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads)
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
-  prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
-  cp_async_commit();
 
   // Q tile (rows past the sequence's are zeros), element by element: the query may be
   // strided without 16-byte alignment.
@@ -152,6 +161,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads)
     const int m = lane / 8;
     ldmatrix_x4(qf[kk], qs + (warp * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m / 2) * 8);
   }
+  __syncthreads();  // the ring's first stage overwrites the staged Q tile
+  prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+  cp_async_commit();
 
   // This thread's two rows (C fragment rows lane / 4 and lane / 4 + 8).
   int pos[2];
@@ -203,7 +215,8 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int hr = e / 2;
         const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-        float x = sc[n][e] * p.qk_scale_log2 + slope[hr] * static_cast<float>(t - pos[hr]);
+        float x = sc[n][e] * p.qk_scale_log2;
+        if (p.alibi_slopes) x += slope[hr] * static_cast<float>(t - pos[hr]);
         if (masked && t > pos[hr]) x = -INFINITY;
         sc[n][e] = x;
         mx[hr] = fmaxf(mx[hr], x);

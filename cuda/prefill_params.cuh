@@ -29,6 +29,7 @@ struct PrefillKernelParams {
   int num_tokens;     // T
   int max_query_len;  // the caller's bound, or -1
   int group;          // G
+  bool skip_single;   // leave sequences with one valid row to the decode kernels (mixed batches)
 
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)

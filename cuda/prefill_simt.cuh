@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
   const int s = blockIdx.z, kh = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PrefillSeq q = prefill_seq(p, s);
+  if (p.skip_single && q.ok && q.q_len == 1) return;  // the decode kernels serve it
   const int rows = q.q_len * p.group;
   const int r_lo = blockIdx.x * kPrefillSimtWarps;
   if (r_lo >= rows) return;
