@@ -22,25 +22,39 @@
 
 namespace pagedattn::cuda_backend {
 
+// Compile-time knobs for tuning experiments: m-tiles (16 rows each) per warp, keys per tile.
+#ifndef PAGEDATTN_PREFILL_MT
+#define PAGEDATTN_PREFILL_MT 2
+#endif
+#ifndef PAGEDATTN_PREFILL_BN
+#define PAGEDATTN_PREFILL_BN 64
+#endif
+
 template <class T, KVCacheDType F, int D, CacheLayout L>
 struct PrefillMmaConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBM = 16 * kWarps;           // packed query rows per CTA
-  static constexpr int kBN = D <= 128 ? 64 : 32;    // keys per tile
+  // Rows per warp: two m-tiles share every key / value fragment a warp loads (half the
+  // shared-memory reads per mma), where the registers allow it.
+  static constexpr int kMT = D <= 128 ? PAGEDATTN_PREFILL_MT : 1;
+  static constexpr int kBM = 16 * kMT * kWarps;                      // packed query rows per CTA
+  static constexpr int kBN = D <= 128 ? PAGEDATTN_PREFILL_BN : 32;   // keys per tile
   static constexpr int kPitch = D + 8;              // elements per row of Q, K and nhd V
   static constexpr int kVtPitch = kBN + 8;          // elements per row of vllm V ([D][kBN])
   static constexpr int kQBytes = kBM * kPitch * 2;
   static constexpr int kKBytes = kBN * kPitch * 2;
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? D * kVtPitch * 2 : kBN * kPitch * 2;
-  // The Q tile is staged at the start of the ring before the first key tile is issued,
-  // so it needs no room of its own (3 CTAs per SM at D = 128 instead of 2).
   static constexpr int kRingBytes = 2 * (kKBytes + kVBytes);
-  static constexpr int kSmemBytes = kQBytes > kRingBytes ? kQBytes : kRingBytes;
+  // One m-tile per warp: the Q fragments live in registers, so the Q tile is staged once
+  // at the start of the ring before the first key tile is issued. Two: Q is read from
+  // shared memory at every key tile (registers hold the two accumulators), after the ring.
+  static constexpr bool kQInRegs = kMT == 1;
+  static constexpr int kQOffset = kQInRegs ? 0 : kRingBytes;
+  static constexpr int kSmemBytes = kQInRegs ? (kQBytes > kRingBytes ? kQBytes : kRingBytes) : kRingBytes + kQBytes;
   static constexpr int kE = F == KVCacheDType::kAuto ? 2 : 1;  // cache element bytes
-  // CTAs per SM the registers must allow (3 x 128 threads: at most 170 registers each);
-  // the larger heads keep their registers instead (their accumulators need them).
-  static constexpr int kMinBlocks = D <= 128 ? 3 : 1;
+  // CTAs per SM the registers must allow (3 x 128 threads: at most 170 registers each)
+  // where the accumulators fit that; 1 otherwise.
+  static constexpr int kMinBlocks = D <= 128 && kMT == 1 ? 3 : 1;
   static_assert(D % 16 == 0, "the tensor-core prefill kernel needs a head size multiple of 16");
 };
 
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     prefill_mma_kernel(const __grid_constant__ PrefillKernelParams p) {
   using C = PrefillMmaConfig<T, F, D, L>;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);
+  T* qs = reinterpret_cast<T*>(smem + C::kQOffset);
   T* ks_base = reinterpret_cast<T*>(smem);
   T* vs_base = reinterpret_cast<T*>(smem + 2 * C::kKBytes);
 
@@ -143,6 +157,10 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
 
+  if constexpr (!C::kQInRegs) {  // Q has room of its own: the first key tile loads meanwhile
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+    cp_async_commit();
+  }
   // Q tile (rows past the sequence's are zeros), element by element: the query may be
   // strided without 16-byte alignment.
   for (int i = threadIdx.x; i < C::kBM * D; i += C::kThreads) {
@@ -155,29 +173,43 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     qs[rr * C::kPitch + d] = v;
   }
   __syncthreads();
-  std::uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
+  constexpr int MT = C::kMT;
+  const int wrow = warp * 16 * MT;  // the warp's first row in the tile
+  // A fragment of m-tile mt, k-step kk, from the staged Q tile.
+  auto q_frag = [&](std::uint32_t (&a)[4], int mt, int kk) {
     const int m = lane / 8;
-    ldmatrix_x4(qf[kk], qs + (warp * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m / 2) * 8);
-  }
-  __syncthreads();  // the ring's first stage overwrites the staged Q tile
-  prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
-  cp_async_commit();
-
-  // This thread's two rows (C fragment rows lane / 4 and lane / 4 + 8).
-  int pos[2];
-  float slope[2];
+    ldmatrix_x4(a, qs + (wrow + mt * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m / 2) * 8);
+  };
+  std::uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
+  if constexpr (C::kQInRegs) {
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = r_lo + warp * 16 + lane / 4 + hr * 8;
-    pos[hr] = r < rows ? ctx + r / G : -1;  // -1: a padding row, every key masked
-    slope[hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
+    for (int kk = 0; kk < D / 16; ++kk) q_frag(qf[kk], 0, kk);
+    __syncthreads();  // the ring's first stage overwrites the staged Q tile
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+    cp_async_commit();
+  }
+
+  // This thread's rows: C fragment rows lane / 4 and lane / 4 + 8 of each m-tile.
+  int pos[MT][2];
+  float slope[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r_lo + wrow + mt * 16 + lane / 4 + hr * 8;
+      pos[mt][hr] = r < rows ? ctx + r / G : -1;  // -1: a padding row, every key masked
+      slope[mt][hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
+    }
   }
   const int min_pos = ctx + r_lo / G;  // the CTA's first row
 
-  float o[D / 8][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float o[MT][D / 8][4] = {};
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.0f;
+  }
   for (int kt = 0; kt < n_tiles; ++kt) {
     const int stage = kt & 1;
     if (kt + 1 < n_tiles) {
@@ -193,70 +225,89 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     const T* ks = ks_base + stage * (C::kKBytes / 2);
     const T* vs = vs_base + stage * (C::kVBytes / 2);
 
-    float sc[C::kBN / 8][4] = {};
+    float sc[MT][C::kBN / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (C::kQInRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = qf[kk][i];
+        } else {
+          q_frag(a[mt], mt, kk);
+        }
+      }
 #pragma unroll
       for (int np = 0; np < C::kBN / 16; ++np) {
         const int m = lane / 8;
         std::uint32_t b[4];
         ldmatrix_x4(b, ks + (np * 16 + (m / 2) * 8 + lane % 8) * C::kPitch + kk * 16 + (m % 2) * 8);
-        mma16816<T>(sc[2 * np], qf[kk], b[0], b[1]);
-        mma16816<T>(sc[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(sc[mt][2 * np], a[mt], b[0], b[1]);
+          mma16816<T>(sc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
 
     const int t0 = kt * C::kBN;
     const bool masked = t0 + C::kBN - 1 > min_pos;
-    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < C::kBN / 8; ++n) {
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e / 2;
-        const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-        float x = sc[n][e] * p.qk_scale_log2;
-        if (p.alibi_slopes) x += slope[hr] * static_cast<float>(t - pos[hr]);
-        if (masked && t > pos[hr]) x = -INFINITY;
-        sc[n][e] = x;
-        mx[hr] = fmaxf(mx[hr], x);
+      for (int n = 0; n < C::kBN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hr = e / 2;
+          const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
+          float x = sc[mt][n][e] * p.qk_scale_log2;
+          if (p.alibi_slopes) x += slope[mt][hr] * static_cast<float>(t - pos[mt][hr]);
+          if (masked && t > pos[mt][hr]) x = -INFINITY;
+          sc[mt][n][e] = x;
+          mx[hr] = fmaxf(mx[hr], x);
+        }
       }
-    }
-    float corr[2], m_use[2];
+      float corr[2], m_use[2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-      const float m_new = fmaxf(m_run[hr], mx[hr]);
-      m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet
-      corr[hr] = exp2f(m_run[hr] - m_use[hr]);
-      m_run[hr] = m_new;
-      l_run[hr] *= corr[hr];
-    }
+      for (int hr = 0; hr < 2; ++hr) {
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+        const float m_new = fmaxf(m_run[mt][hr], mx[hr]);
+        m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet
+        corr[hr] = exp2f(m_run[mt][hr] - m_use[hr]);
+        m_run[mt][hr] = m_new;
+        l_run[mt][hr] *= corr[hr];
+      }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= corr[0];
-      o[n][1] *= corr[0];
-      o[n][2] *= corr[1];
-      o[n][3] *= corr[1];
-    }
+      for (int n = 0; n < D / 8; ++n) {
+        o[mt][n][0] *= corr[0];
+        o[mt][n][1] *= corr[0];
+        o[mt][n][2] *= corr[1];
+        o[mt][n][3] *= corr[1];
+      }
 #pragma unroll
-    for (int n = 0; n < C::kBN / 8; ++n) {
+      for (int n = 0; n < C::kBN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float w = exp2f(sc[n][e] - m_use[e / 2]);
-        sc[n][e] = w;
-        l_run[e / 2] += w;
+        for (int e = 0; e < 4; ++e) {
+          const float w = exp2f(sc[mt][n][e] - m_use[e / 2]);
+          sc[mt][n][e] = w;
+          l_run[mt][e / 2] += w;
+        }
       }
     }
 
 #pragma unroll
     for (int ks16 = 0; ks16 < C::kBN / 16; ++ks16) {
-      std::uint32_t a[4];
-      a[0] = pack2<T>(sc[2 * ks16][0], sc[2 * ks16][1]);
-      a[1] = pack2<T>(sc[2 * ks16][2], sc[2 * ks16][3]);
-      a[2] = pack2<T>(sc[2 * ks16 + 1][0], sc[2 * ks16 + 1][1]);
-      a[3] = pack2<T>(sc[2 * ks16 + 1][2], sc[2 * ks16 + 1][3]);
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<T>(sc[mt][2 * ks16][0], sc[mt][2 * ks16][1]);
+        a[mt][1] = pack2<T>(sc[mt][2 * ks16][2], sc[mt][2 * ks16][3]);
+        a[mt][2] = pack2<T>(sc[mt][2 * ks16 + 1][0], sc[mt][2 * ks16 + 1][1]);
+        a[mt][3] = pack2<T>(sc[mt][2 * ks16 + 1][2], sc[mt][2 * ks16 + 1][3]);
+      }
 #pragma unroll
       for (int dn = 0; dn < D / 16; ++dn) {
         const int m = lane / 8;
@@ -266,30 +317,34 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
         } else {
           ldmatrix_x4_trans(b, vs + (ks16 * 16 + (m % 2) * 8 + lane % 8) * C::kPitch + dn * 16 + (m / 2) * 8);
         }
-        mma16816<T>(o[2 * dn], a, b[0], b[1]);
-        mma16816<T>(o[2 * dn + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(o[mt][2 * dn], a[mt], b[0], b[1]);
+          mma16816<T>(o[mt][2 * dn + 1], a[mt], b[2], b[3]);
+        }
       }
     }
     __syncthreads();  // the stage is refilled by the next iteration's loads
   }
 
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 1);
-    l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 2);
-  }
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = r_lo + warp * 16 + lane / 4 + hr * 8;
-    if (r >= rows) continue;
-    const int tok = q.row0 + r / G, h = kh * G + r % G;
-    T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
-    const float inv = p.v_scale / l_run[hr];
+    for (int hr = 0; hr < 2; ++hr) {
+      float l = l_run[mt][hr];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int r = r_lo + wrow + mt * 16 + lane / 4 + hr * 8;
+      if (r >= rows) continue;
+      const int tok = q.row0 + r / G, h = kh * G + r % G;
+      T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
+      const float inv = p.v_scale / l;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const int d = n * 8 + 2 * (lane % 4);
-      orow[d] = from_float<T>(o[n][2 * hr] * inv);
-      orow[d + 1] = from_float<T>(o[n][2 * hr + 1] * inv);
+      for (int n = 0; n < D / 8; ++n) {
+        const int d = n * 8 + 2 * (lane % 4);
+        orow[d] = from_float<T>(o[mt][n][2 * hr] * inv);
+        orow[d + 1] = from_float<T>(o[mt][n][2 * hr + 1] * inv);
+      }
     }
   }
 }
