@@ -1,9 +1,11 @@
 // The varlen (chunked prefill / mixed batch) launcher: one kernel over (query tile, KV
-// head, sequence). The grid is sized from host-known numbers only, never from device
-// memory: query tiles = ceil(bound * G / rows per CTA) with bound = max_query_len when
-// the caller gives it, else T; CTAs past their sequence's rows exit at once. Nothing is
-// allocated and the host never waits, except with check_block_tables, which reads the
-// call's error record back (cuda/error_record.cuh).
+// head[, sequence]). The grid is sized from host-known numbers only, never from device
+// memory (so a call can be captured in a CUDA graph with a fixed token budget): the
+// tensor-core kernel takes a flat grid of ceil(T * G / rows per CTA) + S tiles, the
+// CUDA-core kernel and checked calls ceil(bound * G / rows per CTA) tiles per sequence
+// with bound = max_query_len when the caller gives it, else T. Nothing is allocated and
+// the host never waits, except with check_block_tables, which reads the call's error
+// record back (cuda/error_record.cuh).
 #include <optional>
 
 #include "cuda/decode_dispatch.cuh"
@@ -41,10 +43,18 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   kernel_slots_per_sm(kernel, p.device_id);  // sets the kernel's shared-memory limit once per device
 
   const int group = p.num_heads / p.num_kv_heads;
-  const std::int64_t bound = p.max_query_len >= 0 ? std::min<std::int64_t>(p.max_query_len, p.num_tokens)
-                                                  : p.num_tokens;
-  const std::int64_t tiles = (bound * group + kernel.rows - 1) / kernel.rows;
-  if (tiles == 0) return;  // no query rows at all
+  if (p.num_tokens == 0) return;  // no query rows at all
+  // At least one tile per sequence, so that a max_query_len of 0 that some sequence
+  // exceeds is still seen (and reported) by a CTA.
+  const std::int64_t bound = std::max<std::int64_t>(
+      1, p.max_query_len >= 0 ? std::min<std::int64_t>(p.max_query_len, p.num_tokens) : p.num_tokens);
+  // The tensor-core kernel enumerates the tiles of all sequences in one flat grid
+  // (prefill_flat_task): ceil(T * G / rows) + S CTAs, however the rows are split. The
+  // CUDA-core kernel and checked calls (which must visit every sequence to report it)
+  // take a tile bound per sequence: max_query_len when given, else T.
+  const bool flat = kernel.smem > 0 && !p.check_block_tables;
+  const std::int64_t tiles = flat ? (p.num_tokens * group + kernel.rows - 1) / kernel.rows + p.num_seqs
+                                  : (bound * group + kernel.rows - 1) / kernel.rows;
   if (tiles > 0x7fffffff)
     fail<NotSupported>("query: ", bound, " rows per sequence x ", group,
                        " heads per KV head is more than the CUDA grid can index; pass a smaller max_query_len "
@@ -74,6 +84,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   k.max_query_len = p.max_query_len;
   k.group = group;
   k.skip_single = skip_single;
+  k.flat_tiles = flat;
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
   k.v_scale = fp8 ? p.v_scale : 1.0f;
@@ -86,7 +97,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   }
   void* args[] = {&k};
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads),
-                  static_cast<unsigned>(p.num_seqs));
+                  flat ? 1u : static_cast<unsigned>(p.num_seqs));
   check_cuda(cudaLaunchKernel(kernel.func, grid, dim3(kernel.threads), args, static_cast<std::size_t>(kernel.smem),
                               stream),
              "paged_attention: varlen kernel launch");

@@ -133,8 +133,15 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   T* ks_base = reinterpret_cast<T*>(smem);
   T* vs_base = reinterpret_cast<T*>(smem + 2 * C::kKBytes);
 
-  const int s = blockIdx.z, kh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
+  const int kh = blockIdx.y;
+  int s, tile;
+  if (p.flat_tiles) {
+    prefill_flat_task(p, C::kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
+    if (s < 0) return;
+  } else {
+    s = blockIdx.z;
+    tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PrefillSeq q = prefill_seq(p, s);
   const int G = p.group;
@@ -145,7 +152,8 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   const int r_hi = min(rows, r_lo + C::kBM);
   if (!q.ok) {
     // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, tile == static_cast<int>(gridDim.x) - 1 ? rows : r_hi);
+    const bool last = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1;
+    prefill_fill_nan<T>(p, q.row0, kh, r_lo, last ? rows : r_hi);
     return;
   }
   const int ctx = q.len - q.q_len;

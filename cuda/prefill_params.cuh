@@ -30,6 +30,7 @@ struct PrefillKernelParams {
   int max_query_len;  // the caller's bound, or -1
   int group;          // G
   bool skip_single;   // leave sequences with one valid row to the decode kernels (mixed batches)
+  bool flat_tiles;    // grid x enumerates every sequence's tiles (prefill_flat_task), z = 1
 
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)
@@ -71,6 +72,37 @@ __device__ __forceinline__ PrefillSeq prefill_seq(const PrefillKernelParams& p, 
     q.ok = false;
   }
   return q;
+}
+
+// The flat grid of the tensor-core kernel: CTA c (counted from the top, so the longest
+// tiles start first) works on tile c - first(s) of the sequence s with the largest
+// first(s) = floor(qsl[s] * G / rows_per_cta) + s <= c. Sequence s needs
+// ceil(q_s * G / rows_per_cta) tiles and first(s + 1) - first(s) is at least that, so
+// the ranges never overlap and ceil(T * G / rows_per_cta) + S CTAs cover every tile; CTAs
+// in the gaps find no tile (s = -1). Found by binary search over query_start_loc, so the
+// grid needs no device data on the host and no idle CTA per (sequence, tile bound). With
+// an invalid query_start_loc the search still ends, on some sequence, which the CTA then
+// checks like any other.
+__device__ __forceinline__ void prefill_flat_task(const PrefillKernelParams& p, int rows_per_cta, int c, int& s,
+                                                  int& tile) {
+  auto first = [&](int i) {
+    return static_cast<std::int64_t>(p.query_start_loc[i]) * p.group / rows_per_cta + i;
+  };
+  int lo = 0, hi = p.num_seqs - 1;  // the answer lies in [lo, hi] when first(lo) <= c
+  if (first(0) > c) {
+    s = -1;
+    return;
+  }
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first(mid) <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  const std::int64_t t = c - first(lo);
+  const std::int64_t q = static_cast<std::int64_t>(p.query_start_loc[lo + 1]) - p.query_start_loc[lo];
+  const std::int64_t need = q > 0 ? (q * p.group + rows_per_cta - 1) / rows_per_cta : 0;
+  s = t < need ? lo : -1;
+  tile = static_cast<int>(t);
 }
 
 // Checks the block ids of tokens [0, kv_end) of sequence s: true when all are inside the

@@ -44,8 +44,8 @@ void launch(const DecodeParams& p, DeviceKind device, void* stream) {
   if (p.num_seqs == 0) return;
   if (device == DeviceKind::kCUDA)
     cuda_backend::paged_attention(p, stream);
-  else if (p.query_start_loc)
-    cpu::paged_attention_varlen(p);
+  else if (p.query_start_loc && !(p.max_query_len == 1 && p.num_tokens == p.num_seqs))
+    cpu::paged_attention_varlen(p);  // (validated: max_query_len = 1 and T = S is one row per sequence)
   else
     cpu::paged_attention(p);
 }
