@@ -1,5 +1,10 @@
 """The serving demo's final report, its JSON form, the optional plot and a progress bar.
 
+The step mix comes from :attr:`Engine.step_log` (one record per forward pass): decode
+rows against prefill-chunk rows per step, how many steps mixed both (one varlen
+``paged_attention`` per layer served them together), how full the token budget ran,
+and into how many chunks each prefill was split (recomputations included).
+
 Memory figures are computed from the block manager's state, sampled after every
 iteration (:meth:`Engine._sample_memory`):
 
@@ -24,6 +29,37 @@ import numpy as np
 from .engine import Engine, itemsize_of
 
 __all__ = ["summarize", "format_report", "write_plot", "Progress", "plot_unavailable_reason"]
+
+
+def step_mix(e: Engine) -> dict[str, Any]:
+    """The step-mix figures of a run (from its step log and completed prefills)."""
+    log = e.step_log
+    dec = np.asarray([r.decode_tokens for r in log], dtype=np.int64)
+    pre = np.asarray([r.prefill_tokens for r in log], dtype=np.int64)
+    total = dec + pre
+    chunks = np.asarray(e.prefill_chunks, dtype=np.int64)
+    budget = e.cfg.max_num_batched_tokens
+    hist = {int(k): int(v) for k, v in zip(*np.unique(chunks, return_counts=True))}
+    return {
+        "token_budget": budget,
+        "steps": len(log),
+        "mixed_steps": int(np.count_nonzero((dec > 0) & (pre > 0))),
+        "decode_only_steps": int(np.count_nonzero((dec > 0) & (pre == 0))),
+        "prefill_only_steps": int(np.count_nonzero((dec == 0) & (pre > 0))),
+        "decode_tokens": int(dec.sum()),
+        "prefill_chunk_tokens": int(pre.sum()),
+        "mean_tokens_per_step": float(total.mean()) if len(log) else 0.0,
+        "peak_tokens_per_step": int(total.max()) if len(log) else 0,
+        "full_budget_steps": int(np.count_nonzero(total == budget)),
+        "budget_utilisation": float(total.mean() / budget) if len(log) else 0.0,
+        "prefills": int(len(chunks)),
+        "prompt_chunks": int(chunks.sum()),
+        "chunked_prefills": int(np.count_nonzero(chunks > 1)),
+        "chunks_per_prefill_mean": float(chunks.mean()) if len(chunks) else 0.0,
+        "chunks_per_prefill_max": int(chunks.max()) if len(chunks) else 0,
+        "chunks_per_prefill_histogram": hist,
+        "interrupted_prefills": e.interrupted_prefills,
+    }
 
 
 def summarize(e: Engine) -> dict[str, Any]:
@@ -77,6 +113,7 @@ def summarize(e: Engine) -> dict[str, Any]:
         "contiguous_utilisation": float(logical.sum() / reserved) if reserved else 0.0,
         "contiguous_max_batch": pool_tokens // mc.max_len,
         "sharing_ratio": float(logical.sum() / held.sum()) if held.sum() else 1.0,
+        "step_mix": step_mix(e),
         "checked_decode_outputs": ck.checked["decode"],
         "checked_prefill_outputs": ck.checked["prefill"],
         "check_sample": cfg.check_sample,
@@ -89,6 +126,12 @@ def summarize(e: Engine) -> dict[str, Any]:
             "logical_tokens": logical.tolist(),
             "sequences": seqs.tolist(),
         },
+        "steps": {
+            "step": [r.step for r in e.step_log],
+            "decode_tokens": [r.decode_tokens for r in e.step_log],
+            "prefill_tokens": [r.prefill_tokens for r in e.step_log],
+            "chunks": [r.chunks for r in e.step_log],
+        },
     }
 
 
@@ -96,8 +139,15 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MB"
 
 
+def _histogram(h: dict) -> str:
+    """{chunks: prefills} -> '1 chunk: 30, 2 chunks: 4' (JSON turns the keys into strings)."""
+    items = sorted((int(k), v) for k, v in h.items())
+    return ", ".join(f"{k} chunk{'s' if k != 1 else ''}: {v}" for k, v in items) or "none"
+
+
 def format_report(s: dict[str, Any]) -> str:
     checked = s["checked_decode_outputs"] + s["checked_prefill_outputs"]
+    mx = s["step_mix"]
     sample = "" if s["check_sample"] >= 1.0 else f" (a {s['check_sample']:.0%} sample per step)"
     pc = (
         f"{s['prefix_cache_hit_rate']:.1%} of prompt tokens looked up "
@@ -112,6 +162,16 @@ def format_report(s: dict[str, Any]) -> str:
         f"  tokens generated      {s['tokens_generated']}  ({s['tokens_per_second']:.0f} tokens/s; "
         f"{s['tokens_per_second_unchecked']:.0f} tokens/s without the float64 checks)",
         f"  prompt tokens         {s['prompt_tokens']}  ({s['prefill_tokens_computed']} run through the model)",
+        f"  engine steps          {mx['steps']}  (one paged_attention call per layer each; budget "
+        f"{mx['token_budget']} tokens: {mx['mixed_steps']} mixed decode + prefill, {mx['decode_only_steps']} "
+        f"decode only, {mx['prefill_only_steps']} prefill only)",
+        f"  step tokens           {mx['decode_tokens']} decode + {mx['prefill_chunk_tokens']} prefill-chunk  "
+        f"(per step: mean {mx['mean_tokens_per_step']:.1f}, peak {mx['peak_tokens_per_step']}; "
+        f"{mx['full_budget_steps']} steps used the whole budget)",
+        f"  prompt chunks         {mx['prompt_chunks']} for {mx['prefills']} prefills  "
+        f"({mx['chunked_prefills']} split over several steps, at most {mx['chunks_per_prefill_max']}; "
+        f"{_histogram(mx['chunks_per_prefill_histogram'])}; "
+        f"{mx['interrupted_prefills']} preempted part-way)",
         f"  decode steps          {s['decode_steps']}  (batch: peak {s['peak_batch']}, mean {s['mean_batch']:.1f})",
         f"  preemptions           {s['preemptions_swap'] + s['preemptions_recompute']}  "
         f"(swap {s['preemptions_swap']}: {s['blocks_swapped_out']} blocks out, {s['blocks_swapped_in']} in; "
@@ -125,7 +185,9 @@ def format_report(s: dict[str, Any]) -> str:
         "(shared prefixes and forks)",
         f"  contiguous            {s['contiguous_utilisation']:.1%} of reserved slots would hold tokens "
         f"(reserving {s['max_len']} per sequence); largest batch {s['contiguous_max_batch']} sequences",
-        f"checked {checked} attention outputs{sample} against dense float64 attention: all within tolerance "
+        f"checked {checked} attention output rows{sample} ({s['checked_decode_outputs']} decode, "
+        f"{s['checked_prefill_outputs']} prefill-chunk; every layer) against dense float64 attention: "
+        "all within tolerance "
         f"(worst {s['worst_error_over_tolerance']:.2f} of atol {s['tolerance']['atol']:g} + "
         f"rtol {s['tolerance']['rtol']:g})",
     ]
