@@ -30,7 +30,7 @@ from .workload import WorkloadConfig
 
 __all__ = [
     "ArgumentParser", "add_serve_arguments", "serve", "parse_memory", "build_config", "int_in", "float_in",
-    "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED",
+    "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED", "MAX_NUM_BATCHED_TOKENS",
 ]  # fmt: skip
 
 DEFAULT_MEMORY = "6MB"
@@ -203,9 +203,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int_in(1, MAX_NUM_BATCHED_TOKENS),
         default=DEFAULT_NUM_BATCHED_TOKENS,
         metavar="N",
-        help=f"token budget of one engine step (chunked prefill): decode tokens first, then prompt chunks; "
-        f"a longer prompt is split over several steps; at least --max-batch, at most {MAX_NUM_BATCHED_TOKENS} "
-        f"(default {DEFAULT_NUM_BATCHED_TOKENS})",
+        help=f"token budget of one engine step, 1 to {MAX_NUM_BATCHED_TOKENS} and not below --max-batch "
+        f"(default {DEFAULT_NUM_BATCHED_TOKENS}): decode tokens first, then prompt chunks; a longer prompt is "
+        "split over several steps (chunked prefill)",
     )
     g.add_argument(
         "--preempt",
