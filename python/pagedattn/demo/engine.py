@@ -309,21 +309,22 @@ class Engine:
             budget -= q
         return chunks
 
-    def _step(self) -> bool:
-        """Schedules and runs one step; returns whether something was preempted."""
-        m, cfg = self.manager, self.cfg
+    def _schedule(self) -> tuple[list[SeqState], list[tuple[SeqState, int]], bool]:
+        """This step's decodes (their pending tokens appended), its prompt chunks as
+        (sequence, rows) pairs within the token budget, and whether something was preempted."""
+        m = self.manager
         decodes, preempted = self._reserve_decodes()
         prefilling = [s for s in self.running if s.computed < len(s.tokens)]
-        if decodes:  # their pending tokens get slots now; the step below schedules them as one row each
+        if decodes:  # their pending tokens get slots now; the step schedules them as one row each
             m.append_tokens_batch(
                 np.fromiter((s.sid for s in decodes), np.int64, len(decodes)),
                 np.fromiter((s.pending for s in decodes), np.int32, len(decodes)),
             )
             for s in decodes:
                 s.tokens.append(s.pending)
-        budget = cfg.max_num_batched_tokens - len(decodes)
+        budget = self.cfg.max_num_batched_tokens - len(decodes)
         chunks = []
-        for s in prefilling:
+        for s in prefilling:  # prompts already part-way first, in admission order
             q = min(len(s.tokens) - s.computed, budget)
             if q == 0:
                 break
@@ -331,9 +332,39 @@ class Engine:
             budget -= q
         if not preempted and not self.swapped:
             chunks += self._admit(budget)
+        return decodes, chunks, preempted
+
+    def _step(self) -> bool:
+        """Schedules and runs one step; returns whether something was preempted."""
+        decodes, chunks, preempted = self._schedule()
         sched = [(s, 1) for s in decodes] + chunks
         if not sched:
             return preempted
+        nd = len(decodes)
+        # Chunks that end their prompt: a first token is sampled from their last row.
+        final_idx = [nd + i for i, (s, q) in enumerate(chunks) if s.computed + q == len(s.tokens)]
+        finals = [sched[i][0] for i in final_idx]
+        logits = self._forward(sched, nd, final_idx)
+        for s, q in sched:
+            s.computed += q
+        for s, _ in chunks:
+            s.chunks += 1
+        self._record([s for s, _ in sched])
+        prefill_tokens = sum(q for _, q in chunks)
+        self.prefill_computed += prefill_tokens
+        self.step_log.append(StepRecord(self.step_no, nd, prefill_tokens, len(chunks), len(finals)))
+        if nd:
+            self.decode_steps += 1
+            self.peak_batch = max(self.peak_batch, nd)
+            self.batch_sum += nd
+        self._take_samples(decodes, finals, logits)
+        return preempted
+
+    def _forward(self, sched: list[tuple[SeqState, int]], nd: int, final_idx: list[int]) -> np.ndarray:
+        """One BlockManager.step and one forward pass for the scheduled (sequence, rows)
+        pairs (the first nd are decodes); returns the logits of the decode rows, then of
+        the last row of each sequence in final_idx."""
+        m = self.manager
         ids = np.fromiter((s.sid for s, _ in sched), np.int64, len(sched))
         qlens = np.fromiter((q for _, q in sched), np.int64, len(sched))
         md = m.step(ids, query_lens=qlens)
@@ -344,26 +375,18 @@ class Engine:
         tokens = np.concatenate([np.asarray(s.tokens[c : c + q], np.int32) for (s, q), c in zip(sched, ctx)])
         positions = np.concatenate([np.arange(c, c + q) for (_, q), c in zip(sched, ctx)])
         qsl = md.query_start_loc
-        nd = len(decodes)
-        finals = [i for i in range(nd, len(sched)) if sched[i][0].computed + sched[i][1] == len(sched[i][0].tokens)]
-        rows = np.concatenate([qsl[:nd], qsl[np.asarray(finals, np.int64) + 1] - 1]).astype(np.int64)
+        rows = np.concatenate([qsl[:nd], qsl[np.asarray(final_idx, np.int64) + 1] - 1]).astype(np.int64)
         step = StepInputs(md.block_tables, md.seq_lens, qsl, md.slot_mapping, int(md.max_query_len))
-        self.checker.begin_step([s.sid for s, _ in sched], qlens.tolist(), [i < nd for i in range(len(sched))])
+        self.checker.begin_step(ids.tolist(), qlens.tolist(), [i < nd for i in range(len(sched))])
         logits = self.model.forward(self.kv, tokens, positions, step, rows, self.checker.observe)
         self.checker.end_step()
-        for s, q in sched:
-            s.computed += q
-        for s, _ in chunks:
-            s.chunks += 1
-        self._record([s for s, _ in sched])
-        prefill_tokens = int(md.num_tokens) - nd
-        self.prefill_computed += prefill_tokens
-        self.step_log.append(StepRecord(self.step_no, nd, prefill_tokens, len(chunks), len(finals)))
+        return logits
+
+    def _take_samples(self, decodes: list[SeqState], finals: list[SeqState], logits: np.ndarray) -> None:
+        """Samples the next token of every decode and the first of every finished prompt
+        (forking multi-sample requests); frees the sequences that are done."""
+        m, nd = self.manager, len(decodes)
         sampled = self._sample(logits)
-        if nd:
-            self.decode_steps += 1
-            self.peak_batch = max(self.peak_batch, nd)
-            self.batch_sum += nd
         finished = set()
         for s, t in zip(decodes, sampled[:nd].tolist()):
             s.pending = t
@@ -371,8 +394,7 @@ class Engine:
             self.generated += 1
             if self._finish_if_done(s):
                 finished.add(s.sid)
-        for j, i in enumerate(finals):
-            s = sched[i][0]
+        for j, s in enumerate(finals):
             self.prefill_chunks.append(s.chunks)
             if s.pending is not None:  # a recomputed sequence keeps the token it had already sampled
                 continue
@@ -393,12 +415,11 @@ class Engine:
                 children.append(c)
             s.forks_left = 0
             self.running.extend(children)
-            for x in [s] + children:
+            for x in [s, *children]:
                 if self._finish_if_done(x):
                     finished.add(x.sid)
         if finished:
             self.running = [s for s in self.running if s.sid not in finished]
-        return preempted
 
     def _swap_in(self) -> None:
         m = self.manager
