@@ -522,6 +522,18 @@ def test_workload_distribution_is_reproducible_and_bounded():
 # ---------------------------------------------------------------------------------------
 # GPU: the same loop through CuPy or PyTorch arrays (skipped without a GPU)
 # ---------------------------------------------------------------------------------------
+def test_serving_loop_with_torch_tensors_on_the_cpu():
+    """The backend the GPU path uses, with CPU tensors: strided query views, int32
+    query_start_loc and the step's metadata all cross as torch tensors."""
+    pytest.importorskip("torch")
+    from pagedattn.demo.backend import TorchBackend
+
+    e = Engine(small_config(max_num_batched_tokens=16, max_batch=16, num_blocks=24), TorchBackend("cpu")).run()
+    assert e.generated == expected_tokens(e)
+    assert e.checker.checked["prefill"] == e.cfg.model.num_layers * e.prefill_computed
+    assert any(r.mixed for r in e.step_log) and max(e.prefill_chunks) > 1 and e.swaps > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", [512, 16])
 @pytest.mark.parametrize("lib", ["cupy", "torch"])
