@@ -96,7 +96,10 @@ def test_cli_plot_writes_a_png(tmp_path):
     path = tmp_path / "memory.png"
     rc = main([*SMALL, "--quiet", "--plot", str(path)])
     assert rc == 0
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    # Two panels (KV memory, step mix): 8 x 7 inches at 120 dpi.
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (960, 840)
 
 
 def test_cli_other_options_and_cmake_dir(capsys):

@@ -204,7 +204,9 @@ def plot_unavailable_reason() -> Optional[str]:
 
 
 def write_plot(s: dict[str, Any], path: str) -> None:
-    """KV memory in use over time: paged (blocks in use, tokens held) against contiguous reservation."""
+    """Two panels over the engine steps: KV memory in use, paged (blocks in use, tokens
+    held) against contiguous reservation; and each step's rows, decode tokens and
+    prefill-chunk tokens stacked under the token budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,12 +219,13 @@ def write_plot(s: dict[str, Any], path: str) -> None:
     held = np.asarray(tl["tokens_held"]) * tb
     contiguous = np.asarray(tl["sequences"]) * s["max_len"] * tb
     pool = s["pool_bytes"] / 2**20
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, (ax, mix) = plt.subplots(
+        2, 1, figsize=(8, 7), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )  # fmt: skip
     ax.plot(step, contiguous, color="tab:red", lw=1.2, label=f"contiguous: {s['max_len']} slots reserved per sequence")
     ax.plot(step, paged, color="tab:blue", lw=1.2, label="paged: blocks in use")
     ax.fill_between(step, 0, held, color="tab:blue", alpha=0.25, lw=0, label="tokens actually held")
     ax.axhline(pool, color="black", ls="--", lw=1, label=f"KV pool ({pool:.1f} MB)")
-    ax.set_xlabel("engine step")
     ax.set_ylabel("KV memory (MB)")
     top = max(pool * 1.15, float(paged.max(initial=0)) * 1.05, min(float(contiguous.max(initial=0)), pool * 4))
     ax.set_ylim(0, top)
@@ -242,9 +245,29 @@ def write_plot(s: dict[str, Any], path: str) -> None:
         f"contiguous {s['contiguous_utilisation']:.0%}"
     )
     ax.legend(loc="center right", fontsize=8)
+    _plot_step_mix(mix, s)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_step_mix(ax: Any, s: dict[str, Any]) -> None:
+    st, mx = s["steps"], s["step_mix"]
+    step = np.asarray(st["step"])
+    dec = np.asarray(st["decode_tokens"])
+    pre = np.asarray(st["prefill_tokens"])
+    ax.bar(step, dec, width=1.0, color="tab:green", lw=0, label="decode tokens")
+    ax.bar(step, pre, width=1.0, bottom=dec, color="tab:orange", lw=0, label="prefill-chunk tokens")
+    ax.axhline(mx["token_budget"], color="black", ls="--", lw=1, label=f"token budget ({mx['token_budget']})")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens in the step")
+    ax.set_ylim(0, mx["token_budget"] * 1.1)
+    ax.set_title(
+        f"step mix: {mx['mixed_steps']} of {mx['steps']} steps mixed decodes and prompt chunks; "
+        f"{mx['chunked_prefills']} prefill{'s' if mx['chunked_prefills'] != 1 else ''} split over several steps",
+        fontsize=10,
+    )
+    ax.legend(loc="upper right", fontsize=8)
 
 
 class Progress:
