@@ -15,7 +15,7 @@ import pytest
 import pagedattn
 from pagedattn.demo import AttentionMismatch, ConfigError, Engine, ModelConfig, ServeConfig, WorkloadConfig
 from pagedattn.demo.backend import NumpyBackend, find_gpu_library, make_backend
-from pagedattn.demo.engine import MAX_NUM_BATCHED_TOKENS
+from pagedattn.demo.engine import DEFAULT_NUM_BATCHED_TOKENS, MAX_NUM_BATCHED_TOKENS
 from pagedattn.demo.report import format_report, summarize
 from pagedattn.demo.workload import Request, make_workload
 
@@ -281,7 +281,8 @@ def test_the_default_budget_serves_the_seed_trace(monkeypatch):
     rng = np.random.default_rng(7)
     reqs = [Request(i, 0, rng.integers(0, 64, size=484, dtype=np.int32), output_len=3, n=1,
                     shares_system_prompt=False) for i in range(2)]  # fmt: skip
-    cfg = small_config(model=model, num_blocks=72, max_batch=8, max_num_batched_tokens=512)
+    cfg = small_config(model=model, num_blocks=72, max_batch=8)
+    assert cfg.max_num_batched_tokens == DEFAULT_NUM_BATCHED_TOKENS == 512
     e, sched, attn = run_spied(cfg, monkeypatch, requests=reqs)
     assert [(rows, qsl, lens) for rows, qsl, lens, _ in attn.calls] == [
         (512, [0, 484, 512], [484, 28]),
@@ -525,10 +526,15 @@ def test_workload_distribution_is_reproducible_and_bounded():
 def test_serving_loop_with_torch_tensors_on_the_cpu():
     """The backend the GPU path uses, with CPU tensors: strided query views, int32
     query_start_loc and the step's metadata all cross as torch tensors."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from pagedattn.demo.backend import TorchBackend
 
-    e = Engine(small_config(max_num_batched_tokens=16, max_batch=16, num_blocks=24), TorchBackend("cpu")).run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: torch's threads beside pagedattn's pool only add contention
+    try:
+        e = Engine(small_config(max_num_batched_tokens=16, max_batch=16, num_blocks=24), TorchBackend("cpu")).run()
+    finally:
+        torch.set_num_threads(threads)
     assert e.generated == expected_tokens(e)
     assert e.checker.checked["prefill"] == e.cfg.model.num_layers * e.prefill_computed
     assert any(r.mixed for r in e.step_log) and max(e.prefill_chunks) > 1 and e.swaps > 0

@@ -29,7 +29,10 @@ whose rows are scheduled under a token budget, ``ServeConfig.max_num_batched_tok
 5. **Swap in** preempted sequences (oldest first) when they fit; nothing new is
    admitted while any is swapped out.
 
-Nothing is admitted or swapped in during an iteration that preempted (no thrashing).
+A sequence preempted part-way through its prompt is swapped like any other (its chunks
+resume after the swap-in) or freed for recomputation (its tokens are prefilled again,
+in chunks, the full blocks it had computed found in the prefix cache). Nothing is
+admitted or swapped in during an iteration that preempted (no thrashing).
 Every attention output row is checked by :class:`~pagedattn.demo.checker.Checker`.
 :attr:`Engine.step_log` records each step's mix of decode and prefill-chunk tokens.
 """
