@@ -26,12 +26,32 @@ def test_cli_serves_and_prints_the_report(tmp_path):
     assert out.returncode == 0, out.stderr
     for text in ("serving demo on cpu", "served 8 requests", "tokens generated", "tokens/s", "peak",
                  "preemptions", "prefix-cache hits", "paged", "contiguous", "largest batch",
+                 "chunked prefill under a budget of 512 tokens per step", "engine steps", "prompt chunks",
+                 "mixed decode + prefill", "prefill-chunk",
                  "against dense float64 attention: all within tolerance"):  # fmt: skip
         assert text in out.stdout, (text, out.stdout)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["requests"] == 8 and report["tokens_generated"] > 0
     assert report["checked_decode_outputs"] > 0
     assert len(report["timeline"]["used_blocks"]) == report["iterations"]
+    # The step mix agrees with the per-step record in the same file.
+    mx, steps = report["step_mix"], report["steps"]
+    assert mx["token_budget"] == 512 and mx["steps"] == len(steps["step"]) > 0
+    assert mx["decode_tokens"] == sum(steps["decode_tokens"])
+    assert mx["prefill_chunk_tokens"] == sum(steps["prefill_tokens"]) == report["prefill_tokens_computed"]
+    assert mx["prompt_chunks"] == sum(steps["chunks"])
+    assert report["checked_prefill_outputs"] == 2 * mx["prefill_chunk_tokens"]  # every row, both layers
+    assert f"{mx['decode_tokens']} decode + {mx['prefill_chunk_tokens']} prefill-chunk" in out.stdout
+
+
+def test_cli_token_budget_splits_prompts(tmp_path):
+    path = tmp_path / "r.json"
+    rc = main([*SMALL, "--quiet", "--max-num-batched-tokens", "24", "--max-batch", "16", "--json", str(path)])
+    assert rc == 0
+    mx = json.loads(path.read_text())["step_mix"]
+    assert mx["token_budget"] == 24 and mx["peak_tokens_per_step"] == 24
+    assert mx["chunked_prefills"] > 0 and mx["chunks_per_prefill_max"] >= 3 and mx["mixed_steps"] > 0
+    assert sum(int(k) * v for k, v in mx["chunks_per_prefill_histogram"].items()) == mx["prompt_chunks"]
 
 
 def test_cli_quiet_prints_only_the_report():
@@ -76,7 +96,10 @@ def test_cli_plot_writes_a_png(tmp_path):
     path = tmp_path / "memory.png"
     rc = main([*SMALL, "--quiet", "--plot", str(path)])
     assert rc == 0
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    # Two panels (KV memory, step mix): 8 x 7 inches at 120 dpi.
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (960, 840)
 
 
 def test_cli_other_options_and_cmake_dir(capsys):
@@ -132,6 +155,13 @@ BAD_COMMAND_LINES = [
     (["--rate", "nan"], "--rate"),
     (["--rate", "0"], "--rate"),
     (["--max-batch", "0"], "--max-batch"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", "-5"], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", "many"], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", "2.5"], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", str(2**20 + 1)], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", "64"], "--max-num-batched-tokens"),  # smaller than --max-batch (128)
+    (["--max-num-batched-tokens", "20", "--max-batch", "21"], "--max-num-batched-tokens"),
     (["--check", "1.5"], "--check"),
     (["--seed", "-5"], "--seed"),
     (["--seed", str(2**64)], "--seed"),
@@ -167,7 +197,7 @@ def test_help_states_the_bounds():
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     for bound in (f"1 to {cli.MAX_REQUESTS}", f"at most {cli.MAX_POOL_MB} MB", f"1 to {cli.MAX_BLOCK_SIZE} on the CPU",
-                  "0 to 2^63 - 1"):  # fmt: skip
+                  "0 to 2^63 - 1", f"1 to {cli.MAX_NUM_BATCHED_TOKENS}"):  # fmt: skip
         assert bound in text, bound
     bench = run_cli("bench", "--device", "cpu", "--help")
     assert "1 to 100000" in " ".join(bench.stdout.split())

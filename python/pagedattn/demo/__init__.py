@@ -3,9 +3,12 @@ random weights, served by a continuous-batching loop on pagedattn's public API.
 
 - :mod:`.workload`: request arrivals and lengths (a documented distribution);
 - :mod:`.model`: the model (NumPy on the CPU; CuPy or PyTorch on a GPU, see :mod:`.backend`);
+  one forward pass per engine step, one varlen ``paged_attention`` per layer for all of
+  the step's rows (decode tokens and prompt chunks);
 - :mod:`.kvcache`: the paged KV cache and the pagedattn calls that move its data;
-- :mod:`.engine`: the scheduler (admission, prefix caching, forks, preemption);
-- :mod:`.checker`: every attention output against dense float64 attention;
+- :mod:`.engine`: the scheduler (chunked prefill under a per-step token budget,
+  admission, prefix caching, forks, preemption);
+- :mod:`.checker`: every attention output row against dense float64 attention;
 - :mod:`.report`, :mod:`.cli`: the report, the plot, the progress bar, the command line.
 """
 

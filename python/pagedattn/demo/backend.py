@@ -77,14 +77,6 @@ class Backend(abc.ABC):
 
     # -- math ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def permute(self, a: Any, axes: tuple) -> Any:
-        """Permute (see the NumPy backend for the semantics)."""
-
-    @abc.abstractmethod
-    def concat(self, arrays: list, axis: int = 0) -> Any:
-        """Concat (see the NumPy backend for the semantics)."""
-
-    @abc.abstractmethod
     def take(self, a: Any, rows: np.ndarray) -> Any:
         """``a[rows]`` along the first dimension (``rows`` a host integer array)."""
 
@@ -95,10 +87,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def silu(self, x: Any) -> Any:
         """Silu (see the NumPy backend for the semantics)."""
-
-    @abc.abstractmethod
-    def softmax(self, x: Any) -> Any:
-        """Softmax over the last dimension."""
 
 
 class NumpyBackend(Backend):
@@ -138,12 +126,6 @@ class NumpyBackend(Backend):
     def host_pool(self, shape, dtype):
         return np.zeros(shape, dtype=self.dtype(dtype))
 
-    def permute(self, a, axes):
-        return a.transpose(axes)
-
-    def concat(self, arrays, axis=0):
-        return self.xp.concatenate(arrays, axis=axis)
-
     def take(self, a, rows):
         return a[rows]
 
@@ -153,10 +135,6 @@ class NumpyBackend(Backend):
 
     def silu(self, x):
         return x / (1.0 + self.xp.exp(-x))
-
-    def softmax(self, x):
-        e = self.xp.exp(x - x.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
 
 
 class CupyBackend(NumpyBackend):
@@ -254,12 +232,6 @@ class TorchBackend(Backend):
         if self.dev.type == "cuda":
             self.torch.cuda.synchronize(self.dev)
 
-    def permute(self, a, axes):
-        return a.permute(*axes)
-
-    def concat(self, arrays, axis=0):
-        return self.torch.cat(arrays, dim=axis)
-
     def take(self, a, rows):
         return a[self.torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.dev)]
 
@@ -268,9 +240,6 @@ class TorchBackend(Backend):
 
     def silu(self, x):
         return self.torch.nn.functional.silu(x)
-
-    def softmax(self, x):
-        return self.torch.softmax(x, dim=-1)
 
 
 _OPENBLAS_SETTERS = (

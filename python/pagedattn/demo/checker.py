@@ -1,11 +1,13 @@
-"""Checks every attention output of the serving loop against dense float64 attention.
+"""Checks every attention output row of the serving loop against dense float64 attention.
 
 For every sequence the checker keeps its true key/value history on the host: the
 values the model computed for each of its tokens, in the order of its tokens,
-independent of blocks, slots and tables. Each decode output of ``paged_attention`` (and
-the first and last new row of each prefill) is compared with
-``pagedattn.reference.dense_attention`` over that history. A wrong block table, slot,
-copy-on-write copy, swap or prefix-cache block therefore shows up as a mismatch.
+independent of blocks, slots and tables. Every row of every step's ``paged_attention``
+call (a decode token, or any row of a prompt chunk: the row at position p must equal
+causal float64 attention over the sequence's tokens 0 .. p, its cached prefix and
+earlier chunks included) is compared with ``pagedattn.reference.causal_attention`` over
+that history. A wrong block table, slot, query_start_loc, copy-on-write copy, swap or
+prefix-cache block therefore shows up as a mismatch.
 
 Prefix-cache hits: the hit tokens were computed by another (or an earlier incarnation
 of the same) sequence; their history comes from a host store of every full block any
@@ -22,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from pagedattn.reference import dense_attention
+from pagedattn.reference import causal_attention
 
 from .backend import Backend
 
@@ -94,7 +96,7 @@ class Checker:
         self.hist: dict[int, _History] = {}
         self.store: dict[bytes, tuple[int, np.ndarray, np.ndarray]] = {}  # digest -> (block, k, v)
         self.block_digest: dict[int, bytes] = {}  # physical block -> digest last recorded there
-        self.checked = {"decode": 0, "prefill": 0}
+        self.checked = {"decode": 0, "prefill": 0}  # output rows compared (all layers)
         self.worst = 0.0  # largest |out - ref| / (atol + rtol |ref|) seen
         self.seconds = 0.0
         self._batch: Optional[tuple] = None
@@ -154,57 +156,56 @@ class Checker:
                     del self.block_digest[block]
 
     # -- steps --------------------------------------------------------------------------
-    def begin_decode(self, sids: list[int]) -> None:
-        """The next observed layers are a decode step of these sequences (one new token each)."""
-        for sid in sids:
-            self.hist[sid].reserve(self.hist[sid].n + 1)
-        check = self.rng.random(len(sids)) < self.sample if self.sample < 1.0 else np.ones(len(sids), bool)
-        self._batch = ("decode", sids, np.ones(len(sids), np.int64), check)
-
-    def begin_prefill(self, sids: list[int], new_tokens: list[int]) -> None:
-        """The next observed layers are a prefill of these sequences (new_tokens[i] new tokens each)."""
-        for sid, t in zip(sids, new_tokens):
+    def begin_step(self, sids: list[int], query_lens: list[int], decode: list[bool]) -> None:
+        """The next observed layers are one step: sequence sids[i] owns query_lens[i] rows
+        (its next tokens), a decode token when decode[i], else a prompt chunk."""
+        for sid, t in zip(sids, query_lens):
             self.hist[sid].reserve(self.hist[sid].n + t)
-        check = self.rng.random(len(sids)) < self.sample if self.sample < 1.0 else np.ones(len(sids), bool)
-        self._batch = ("prefill", sids, np.asarray(new_tokens, np.int64), check)
+        n = len(sids)
+        check = self.rng.random(n) < self.sample if self.sample < 1.0 else np.ones(n, bool)
+        self._batch = (sids, np.asarray(query_lens, np.int64), list(decode), check)
 
     def end_step(self) -> None:
-        phase, sids, counts, _ = self._batch
+        sids, counts, _, _ = self._batch
         for sid, t in zip(sids, counts.tolist()):
             self.hist[sid].n += t
         self._batch = None
 
-    def observe(self, phase: str, layer: int, q: Any, k: Any, v: Any, out: Any) -> None:
-        """Model observer: records the layer's new K/V and checks its attention outputs."""
+    def observe(self, layer: int, q: Any, k: Any, v: Any, out: Any) -> None:
+        """Model observer: records the layer's new K/V and checks its attention output rows."""
         t0 = time.perf_counter()
-        kind, sids, counts, check = self._batch
-        assert kind == phase, (kind, phase)
+        sids, counts, decode, check = self._batch
         q, k, v, out = (self.be.to_numpy(a) for a in (q, k, v, out))
         row = 0
         for i, (sid, t) in enumerate(zip(sids, counts.tolist())):
             h = self.hist[sid]
             h.k[layer, h.n : h.n + t] = k[row : row + t]
             h.v[layer, h.n : h.n + t] = v[row : row + t]
-            if check[i]:
-                rows = (row,) if t == 1 else (row, row + t - 1)
-                for r in rows:
-                    pos = h.n + (r - row)  # the query's position; it attends to tokens [0, pos]
-                    self._compare(phase, layer, sid, pos, q[r], out[r], h.k[layer, : pos + 1], h.v[layer, : pos + 1])
+            if check[i] and t:
+                self._compare(
+                    "decode" if decode[i] else "prefill", layer, sid, h.n, q[row : row + t], out[row : row + t],
+                    h.k[layer, : h.n + t], h.v[layer, : h.n + t],
+                )  # fmt: skip
             row += t
         self.seconds += time.perf_counter() - t0
 
-    def _compare(self, phase, layer, sid, pos, q, out, k, v) -> None:
-        ref = dense_attention(q, k, v, self.scale)
+    def _compare(self, phase, layer, sid, first, q, out, k, v) -> None:
+        """Rows q / out [t, H, D] at positions first .. first + t - 1 against k / v [first + t, K, D]."""
+        ref = causal_attention(q, k, v, self.scale)  # float64 (float32 inputs widen exactly)
         bound = self.atol + self.rtol * np.abs(ref)
         err = np.abs(out.astype(np.float64) - ref)
-        ratio = float(np.max(err / bound)) if np.isfinite(out).all() else float("inf")
-        self.checked[phase] += 1
+        finite = np.isfinite(out).all()
+        ratio = float(np.max(err / bound)) if finite else float("inf")
+        self.checked[phase] += len(q)
         if not ratio <= 1.0:
-            head, dim = np.unravel_index(int(np.nanargmax(np.where(np.isfinite(err), err, np.inf))), err.shape)
+            worst = np.where(np.isfinite(err), err / bound, np.inf)
+            r, head, dim = np.unravel_index(int(np.argmax(worst)), err.shape)
+            pos = first + int(r)
+            what = "" if phase == "decode" else f" (row {int(r)} of a {len(q)}-row prompt chunk)"
             raise AttentionMismatch(
-                f"{phase} attention output of sequence {sid} (layer {layer}, query position {pos}, "
+                f"{phase} attention output of sequence {sid}{what} (layer {layer}, query position {pos}, "
                 f"{pos + 1} tokens) differs from dense float64 attention over its own tokens: "
-                f"head {head}, dim {dim}: got {float(out[head, dim]):.6g}, expected {ref[head, dim]:.6g} "
-                f"(|error| {err[head, dim]:.3g} > atol {self.atol:g} + rtol {self.rtol:g} * |expected|)"
+                f"head {head}, dim {dim}: got {float(out[r, head, dim]):.6g}, expected {ref[r, head, dim]:.6g} "
+                f"(|error| {err[r, head, dim]:.3g} > atol {self.atol:g} + rtol {self.rtol:g} * |expected|)"
             )
         self.worst = max(self.worst, ratio)

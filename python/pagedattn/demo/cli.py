@@ -15,14 +15,22 @@ import pagedattn
 
 from .backend import DTYPE_NAMES, find_gpu_library, limit_blas_threads, make_backend
 from .checker import AttentionMismatch
-from .engine import ConfigError, Engine, ServeConfig, itemsize_of
+from .engine import (
+    DEFAULT_NUM_BATCHED_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
+    ConfigError,
+    Engine,
+    ServeConfig,
+    check_token_budget,
+    itemsize_of,
+)
 from .model import ModelConfig
 from .report import Progress, format_report, plot_unavailable_reason, summarize, write_plot
 from .workload import WorkloadConfig
 
 __all__ = [
     "ArgumentParser", "add_serve_arguments", "serve", "parse_memory", "build_config", "int_in", "float_in",
-    "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED",
+    "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED", "MAX_NUM_BATCHED_TOKENS",
 ]  # fmt: skip
 
 DEFAULT_MEMORY = "6MB"
@@ -191,6 +199,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help=f"running sequences at most, 1 to {MAX_BATCH}",
     )
     g.add_argument(
+        "--max-num-batched-tokens",
+        type=int_in(1, MAX_NUM_BATCHED_TOKENS),
+        default=DEFAULT_NUM_BATCHED_TOKENS,
+        metavar="N",
+        help=f"token budget of one engine step, 1 to {MAX_NUM_BATCHED_TOKENS} and not below --max-batch "
+        f"(default {DEFAULT_NUM_BATCHED_TOKENS}): decode tokens first, then prompt chunks; a longer prompt is "
+        "split over several steps (chunked prefill)",
+    )
+    g.add_argument(
         "--preempt",
         choices=["auto", "swap", "recompute"],
         default="auto",
@@ -252,12 +269,15 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"argument --cpu-memory: {e}") from None
     if not 0.0 <= args.check <= 1.0:
         raise ConfigError(f"--check must be in [0, 1], got {args.check}")
-    return ServeConfig(
+    cfg = ServeConfig(
         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks, num_cpu_blocks=cpu,
-        max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching, preempt=args.preempt,
+        max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=not args.no_prefix_caching, preempt=args.preempt,
         check_sample=args.check, seed=args.seed, model=model,
         workload=dataclasses.replace(WorkloadConfig(), num_requests=args.requests, rate=args.rate),
     )  # fmt: skip
+    check_token_budget(cfg)  # against --max-batch, before anything is built
+    return cfg
 
 
 def serve(args: argparse.Namespace, out=None, err=None) -> int:
@@ -294,8 +314,10 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
         lines = [
             f"pagedattn {pagedattn.__version__} serving demo on {backend.describe()}, {cfg.dtype}",
             f"  model     {mc.describe()}",
-            f"            random weights (seed {cfg.seed}); prefill attention dense ({lib} matmul, causal mask), "
-            "decode attention paged",
+            f"            random weights (seed {cfg.seed}, {lib} arrays); all attention paged: one varlen "
+            "paged_attention call per layer per step",
+            f"  steps     chunked prefill under a budget of {cfg.max_num_batched_tokens} tokens per step: "
+            "decode tokens first, then prompt chunks",
         ]
         work = cfg.workload.describe()
         lines += [f"  workload  {work[0]}"] + [f"            {w}" for w in work[1:]]

@@ -1,26 +1,40 @@
-"""The continuous-batching serving loop.
+"""The continuous-batching serving loop with chunked prefill.
 
-Each iteration of :meth:`Engine.run`:
+Every iteration of :meth:`Engine.run` runs at most ONE forward pass (an engine step)
+whose rows are scheduled under a token budget, ``ServeConfig.max_num_batched_tokens``
+(the ``max_num_batched_tokens`` of vLLM's scheduler):
 
 1. **Arrivals**: requests whose arrival step has come join the waiting queue.
-2. **Decode** every running sequence: if the pool cannot give each of them one more
-   slot (``BlockManager.can_append_batch``), preempt the most recently admitted
-   sequences until it can: swap them out to the host pool (``swap_out`` +
-   ``swap_blocks``) while it has room, else free them for recomputation. Then one
-   ``BlockManager.step`` appends each sequence's pending token and exports the block
-   tables, lengths, slots and copy-on-write pairs (run with ``copy_blocks``), and the
-   model runs one batched ``paged_attention`` per layer. A token is sampled for each
-   sequence; sequences that reached their output length are freed.
-3. **Swap in** preempted sequences (oldest first) when they fit, before anything new.
-4. **Admit** waiting sequences (recomputations first, then new requests, in arrival
-   order) while the pool can hold their prompt (``can_allocate``, watermark kept), the
-   batch has room and the step's prefill-token budget lasts: ``add_sequence`` reuses
-   the longest cached prefix, one ``step`` schedules the rest, the model prefills it
-   (``reshape_and_cache`` + dense causal attention) and samples each first token. A
-   request asking for n samples is forked n - 1 times right after its prefill.
+2. **Decode tokens first.** Every running sequence whose prompt is fully computed
+   decodes one token. If the pool cannot give each of them one more slot
+   (``BlockManager.can_append_batch``), the most recently admitted sequences are
+   preempted until it can: swapped out to the host pool (``swap_out`` +
+   ``swap_blocks``) while it has room, else freed for recomputation. Their pending
+   tokens are appended (``append_tokens_batch``).
+3. **Then prompt chunks**, from what the decodes left of the budget: first the
+   sequences already part-way through their prompt (in admission order), then new
+   admissions (recomputations first, then new requests, in arrival order) while the
+   pool can hold the whole prompt (``can_allocate``, watermark kept), the batch has
+   room (a request's future forks counted) and budget is left. ``add_sequence`` reuses
+   the longest cached prefix, so only the uncached tail is prefilled. A prompt longer
+   than what is left is split: its first chunk now, the rest in later steps, each chunk
+   attending to the sequence's own cached earlier chunks.
+4. **One step**: ``BlockManager.step(ids, query_lens=...)`` schedules the decode rows
+   and the chunks together and exports block tables, ``seq_lens``, ``context_lens``,
+   ``query_start_loc`` and the slot mapping (plus copy-on-write pairs, run with
+   ``copy_blocks``); the model runs one varlen ``paged_attention`` per layer for all
+   rows. A token is sampled for every decode and for every prompt whose last chunk ran
+   (a request asking for n samples is forked n - 1 times right after that); sequences
+   that reached their output length are freed.
+5. **Swap in** preempted sequences (oldest first) when they fit; nothing new is
+   admitted while any is swapped out.
 
-Nothing is admitted or swapped in during an iteration that preempted (no thrashing).
-Every attention output is checked by :class:`~pagedattn.demo.checker.Checker`.
+A sequence preempted part-way through its prompt is swapped like any other (its chunks
+resume after the swap-in) or freed for recomputation (its tokens are prefilled again,
+in chunks, the full blocks it had computed found in the prefix cache). Nothing is
+admitted or swapped in during an iteration that preempted (no thrashing).
+Every attention output row is checked by :class:`~pagedattn.demo.checker.Checker`.
+:attr:`Engine.step_log` records each step's mix of decode and prefill-chunk tokens.
 """
 
 from __future__ import annotations
@@ -37,14 +51,42 @@ import pagedattn
 from .backend import Backend
 from .checker import Checker
 from .kvcache import PagedKVCache
-from .model import ModelConfig, TinyDecoder
+from .model import ModelConfig, StepInputs, TinyDecoder
 from .workload import Request, WorkloadConfig, make_workload
 
-__all__ = ["ServeConfig", "Engine", "SeqState", "ConfigError", "itemsize_of"]
+__all__ = [
+    "ServeConfig", "Engine", "SeqState", "StepRecord", "ConfigError", "check_token_budget", "itemsize_of",
+    "DEFAULT_NUM_BATCHED_TOKENS", "MAX_NUM_BATCHED_TOKENS",
+]  # fmt: skip
+
+# The default per-step token budget. 512 bounds the work of a step, and so the delay a
+# decoding sequence sees while prompts are prefilled, to 512 rows whatever the prompts'
+# lengths: the workload's longest prompt (576 tokens) takes two steps, a typical one
+# (~100) shares a step with the decodes. It is 4x the default max_batch, so a full
+# decode batch still leaves 384 tokens a step for prompts. Engines on large GPUs use
+# 2048 or more, where a step of 2048 rows costs little more than a decode step; on the
+# CPU it costs several decode steps.
+DEFAULT_NUM_BATCHED_TOKENS = 512
+MAX_NUM_BATCHED_TOKENS = 1 << 20  # query rows of one step
 
 
 class ConfigError(ValueError):
     """Settings that cannot serve the workload (e.g. a pool smaller than one sequence)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step's mix (one forward pass, one paged_attention call per layer)."""
+
+    step: int  # the workload clock at this step
+    decode_tokens: int  # rows that decode one token of a sequence past its prompt
+    prefill_tokens: int  # rows of prompt chunks
+    chunks: int  # prompt chunks (sequences with prefill rows)
+    final_chunks: int  # of those, chunks that finish their prompt (a first token is sampled)
+
+    @property
+    def mixed(self) -> bool:
+        return self.decode_tokens > 0 and self.prefill_tokens > 0
 
 
 def itemsize_of(dtype: str) -> int:
@@ -58,7 +100,8 @@ class ServeConfig:
     num_blocks: int = 256  # device KV pool
     num_cpu_blocks: int = 128  # host pool for swapped-out blocks (0: preempt by recomputation only)
     max_batch: int = 128  # running sequences at most
-    max_prefill_tokens: int = 2048  # new prompt tokens per iteration (at least one sequence is admitted)
+    # Tokens (query rows) per step: decodes first, then prompt chunks; at least max_batch.
+    max_num_batched_tokens: int = DEFAULT_NUM_BATCHED_TOKENS
     watermark: float = 0.01
     prefix_caching: bool = True
     preempt: str = "auto"  # auto: swap while the host pool has room, else recompute; or "swap" / "recompute"
@@ -68,6 +111,21 @@ class ServeConfig:
     workload: WorkloadConfig = dataclasses.field(default_factory=WorkloadConfig)
 
 
+def check_token_budget(cfg: ServeConfig) -> None:
+    """ConfigError unless ``max_num_batched_tokens`` is a whole number in [max_batch, MAX_NUM_BATCHED_TOKENS]."""
+    b = cfg.max_num_batched_tokens
+    name = "max_num_batched_tokens (--max-num-batched-tokens)"
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+        raise ConfigError(f"{name} must be a whole number of tokens, got {b!r} ({type(b).__name__})")
+    if not 1 <= b <= MAX_NUM_BATCHED_TOKENS:
+        raise ConfigError(f"{name} must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {b}")
+    if b < cfg.max_batch:
+        raise ConfigError(
+            f"{name} = {b} is smaller than max_batch (--max-batch) = {cfg.max_batch}: every running sequence "
+            "decodes one token per step, so the budget must hold a full batch of decodes"
+        )
+
+
 @dataclasses.dataclass
 class SeqState:
     sid: int
@@ -75,6 +133,8 @@ class SeqState:
     sample: int  # index among the request's samples
     tokens: list  # every token with a cache slot (prompt + appended outputs)
     pending: Optional[int] = None  # sampled, not yet appended (the next decode step's input)
+    computed: int = 0  # tokens[:computed] have their K/V in the cache (prefill done when == len(tokens))
+    chunks: int = 0  # prompt chunks run since this sequence was last admitted
     generated: int = 0  # tokens sampled so far
     forks_left: int = 0  # children to fork after the prefill (n - 1 for a new request)
     state: str = "waiting"  # waiting | running | swapped | finished
@@ -92,6 +152,7 @@ class Engine:
         self.cfg = cfg
         self.be = backend
         mc, bs = cfg.model, cfg.block_size
+        check_token_budget(cfg)
         longest = cfg.workload.max_tokens()
         if longest > mc.max_len:
             raise ConfigError(f"the workload's longest sequence ({longest} tokens) exceeds max_len {mc.max_len}")
@@ -140,9 +201,12 @@ class Engine:
         self.generated = 0
         self.prompt_tokens = 0
         self.prefill_computed = 0  # prompt tokens run through the model (hits excluded)
-        self.decode_steps = 0
-        self.peak_batch = 0
+        self.decode_steps = 0  # steps with at least one decode row
+        self.peak_batch = 0  # most sequences decoded in one step
         self.batch_sum = 0
+        self.step_log: list[StepRecord] = []  # one per forward pass
+        self.prefill_chunks: list[int] = []  # chunks of every completed prefill (recomputations included)
+        self.interrupted_prefills = 0  # prefills preempted for recomputation before their last chunk
         self.swaps = 0
         self.recomputes = 0
         self.swap_ins = 0
@@ -182,7 +246,7 @@ class Engine:
     def _preempt(self, s: SeqState) -> None:
         m = self.manager
         if self.cfg.preempt != "recompute" and m.can_swap_out([s.sid]):
-            self.kv.swap_out(m.swap_out([s.sid]))
+            self.kv.swap_out(m.swap_out([s.sid]))  # a part-way prefill resumes after its swap-in
             s.state = "swapped"
             self.swapped.append(s)
             self.swaps += 1
@@ -191,126 +255,186 @@ class Engine:
             raise ConfigError("--preempt swap: the host pool is full; raise --cpu-memory or use --preempt auto")
         m.free(s.sid)
         self.checker.drop(s.sid)
+        if s.computed < len(s.tokens):
+            self.interrupted_prefills += 1
         s.state = "waiting"
+        s.computed = 0
         self.waiting.appendleft(s)  # recomputed before any new request
         self.recomputes += 1
 
-    # -- phases -------------------------------------------------------------------------
-    def _decode(self) -> bool:
-        """One decode step for the running batch; returns whether something was preempted."""
+    # -- scheduling -----------------------------------------------------------------------
+    def _seats(self) -> int:
+        """Places in the batch the running sequences take (a request's forks count from its admission)."""
+        return sum(1 + s.forks_left for s in self.running)
+
+    def _decodes(self) -> list[SeqState]:
+        return [s for s in self.running if s.computed == len(s.tokens)]
+
+    def _reserve_decodes(self) -> tuple[list[SeqState], bool]:
+        """The sequences decoding this step (preempting until each can grow by one slot)
+        and whether something was preempted."""
         m = self.manager
         preempted = False
-        ids = [s.sid for s in self.running]
-        while self.running and not m.can_append_batch(ids):
+        decodes = self._decodes()
+        while decodes and not m.can_append_batch([s.sid for s in decodes]):
             if len(self.running) == 1:
                 raise ConfigError("the KV pool cannot grow even a single running sequence: raise --memory")
             self._preempt(self.running.pop())
-            ids.pop()
             preempted = True
-        if not self.running:
-            return preempted
-        batch = self.running
-        new = np.fromiter((s.pending for s in batch), np.int32, len(batch))
-        md = m.step(ids, new)
-        self.kv.copy(md.copy_pairs)  # copy-on-write before anything writes into the copies
-        for s, t in zip(batch, new.tolist()):
-            s.tokens.append(t)
-        positions = md.seq_lens.astype(np.int64) - 1
-        self.checker.begin_decode(ids)
-        logits = self.model.decode(
-            self.kv, new, positions, md.block_tables, md.seq_lens, md.slot_mapping, self.checker.observe
-        )
-        self.checker.end_step()
-        self._record(batch)
-        nxt = self._sample(logits)
-        self.decode_steps += 1
-        self.peak_batch = max(self.peak_batch, len(batch))
-        self.batch_sum += len(batch)
-        still = []
-        for s, t in zip(batch, nxt.tolist()):
-            s.pending = t
-            s.generated += 1
-            self.generated += 1
-            if not self._finish_if_done(s):
-                still.append(s)
-        self.running = still
-        return preempted
+            decodes = self._decodes()
+        return decodes, preempted
 
-    def _swap_in(self) -> None:
-        m = self.manager
-        while self.swapped and len(self.running) < self.cfg.max_batch:
-            s = self.swapped[0]
-            if not m.can_swap_in([s.sid]):
-                break
-            self.kv.swap_in(m.swap_in([s.sid]))
-            self.swapped.popleft()
-            s.state = "running"
-            self.running.append(s)
-            self.swap_ins += 1
-
-    def _admit(self) -> None:
+    def _admit(self, budget: int) -> list[tuple[SeqState, int]]:
+        """Admits waiting sequences into the budget; returns (sequence, first chunk length) pairs."""
         m, cfg = self.manager, self.cfg
-        budget = cfg.max_prefill_tokens
-        batch: list[SeqState] = []
-        hits: list[int] = []
-        while self.waiting:
+        seats = self._seats()
+        chunks = []
+        while self.waiting and budget > 0:
             s = self.waiting[0]
-            width = max(1, s.forks_left + 1)
-            if len(self.running) + len(batch) + width > cfg.max_batch:
-                break
-            if batch and len(s.tokens) > budget:
+            width = 1 + s.forks_left
+            if seats + width > cfg.max_batch:
                 break
             toks = np.asarray(s.tokens, np.int32)
             if not m.can_allocate(toks):
+                if not self.running and not self.swapped:
+                    raise ConfigError(
+                        f"sequence {s.sid} ({len(toks)} tokens) cannot be admitted into an empty pool: raise --memory"
+                    )
                 break
             hit = m.add_sequence(s.sid, toks)
             self.checker.start(s.sid, toks, hit)
             self.waiting.popleft()
-            batch.append(s)
-            hits.append(hit)
-            budget -= len(s.tokens) - hit
-        if not batch:
-            return
-        ids = [s.sid for s in batch]
-        md = m.step(ids)
-        self.kv.copy(md.copy_pairs)
-        qsl = md.query_start_loc
-        tokens = np.concatenate([np.asarray(s.tokens[h:], np.int32) for s, h in zip(batch, hits)])
-        positions = np.concatenate([np.arange(h, len(s.tokens)) for s, h in zip(batch, hits)])
-        tables = [np.asarray(m.block_table(sid), np.int64) for sid in ids]
-        self.checker.begin_prefill(ids, np.diff(qsl).tolist())
-        logits = self.model.prefill(
-            self.kv, tokens, positions, qsl, md.context_lens, tables, md.slot_mapping, self.checker.observe
-        )
-        self.checker.end_step()
-        for s in batch:
-            s.state = "running"
+            s.state, s.computed, s.chunks = "running", hit, 0
             self.running.append(s)
-        self._record(batch)
-        self.prefill_computed += int(md.num_tokens)
-        first = self._sample(logits)
-        for i, s in enumerate(batch):
+            seats += width
+            q = min(len(toks) - hit, budget)
+            chunks.append((s, q))
+            budget -= q
+        return chunks
+
+    def _schedule(self) -> tuple[list[SeqState], list[tuple[SeqState, int]], bool]:
+        """This step's decodes (their pending tokens appended), its prompt chunks as
+        (sequence, rows) pairs within the token budget, and whether something was preempted."""
+        m = self.manager
+        decodes, preempted = self._reserve_decodes()
+        prefilling = [s for s in self.running if s.computed < len(s.tokens)]
+        if decodes:  # their pending tokens get slots now; the step schedules them as one row each
+            m.append_tokens_batch(
+                np.fromiter((s.sid for s in decodes), np.int64, len(decodes)),
+                np.fromiter((s.pending for s in decodes), np.int32, len(decodes)),
+            )
+            for s in decodes:
+                s.tokens.append(s.pending)
+        budget = self.cfg.max_num_batched_tokens - len(decodes)
+        chunks = []
+        for s in prefilling:  # prompts already part-way first, in admission order
+            q = min(len(s.tokens) - s.computed, budget)
+            if q == 0:
+                break
+            chunks.append((s, q))
+            budget -= q
+        if not preempted and not self.swapped:
+            chunks += self._admit(budget)
+        return decodes, chunks, preempted
+
+    def _step(self) -> bool:
+        """Schedules and runs one step; returns whether something was preempted."""
+        decodes, chunks, preempted = self._schedule()
+        sched = [(s, 1) for s in decodes] + chunks
+        if not sched:
+            return preempted
+        nd = len(decodes)
+        # Chunks that end their prompt: a first token is sampled from their last row.
+        final_idx = [nd + i for i, (s, q) in enumerate(chunks) if s.computed + q == len(s.tokens)]
+        finals = [sched[i][0] for i in final_idx]
+        logits = self._forward(sched, nd, final_idx)
+        for s, q in sched:
+            s.computed += q
+        for s, _ in chunks:
+            s.chunks += 1
+        self._record([s for s, _ in sched])
+        prefill_tokens = sum(q for _, q in chunks)
+        self.prefill_computed += prefill_tokens
+        self.step_log.append(StepRecord(self.step_no, nd, prefill_tokens, len(chunks), len(finals)))
+        if nd:
+            self.decode_steps += 1
+            self.peak_batch = max(self.peak_batch, nd)
+            self.batch_sum += nd
+        self._take_samples(decodes, finals, logits)
+        return preempted
+
+    def _forward(self, sched: list[tuple[SeqState, int]], nd: int, final_idx: list[int]) -> np.ndarray:
+        """One BlockManager.step and one forward pass for the scheduled (sequence, rows)
+        pairs (the first nd are decodes); returns the logits of the decode rows, then of
+        the last row of each sequence in final_idx."""
+        m = self.manager
+        ids = np.fromiter((s.sid for s, _ in sched), np.int64, len(sched))
+        qlens = np.fromiter((q for _, q in sched), np.int64, len(sched))
+        md = m.step(ids, query_lens=qlens)
+        self.kv.copy(md.copy_pairs)  # copy-on-write before anything writes into the copies
+        ctx = md.context_lens.tolist()
+        if ctx != [s.computed for s, _ in sched]:
+            raise RuntimeError(f"the block manager's context_lens {ctx} disagree with the engine's schedule")
+        tokens = np.concatenate([np.asarray(s.tokens[c : c + q], np.int32) for (s, q), c in zip(sched, ctx)])
+        positions = np.concatenate([np.arange(c, c + q) for (_, q), c in zip(sched, ctx)])
+        qsl = md.query_start_loc
+        rows = np.concatenate([qsl[:nd], qsl[np.asarray(final_idx, np.int64) + 1] - 1]).astype(np.int64)
+        step = StepInputs(md.block_tables, md.seq_lens, qsl, md.slot_mapping, int(md.max_query_len))
+        self.checker.begin_step(ids.tolist(), qlens.tolist(), [i < nd for i in range(len(sched))])
+        logits = self.model.forward(self.kv, tokens, positions, step, rows, self.checker.observe)
+        self.checker.end_step()
+        return logits
+
+    def _take_samples(self, decodes: list[SeqState], finals: list[SeqState], logits: np.ndarray) -> None:
+        """Samples the next token of every decode and the first of every finished prompt
+        (forking multi-sample requests); frees the sequences that are done."""
+        m, nd = self.manager, len(decodes)
+        sampled = self._sample(logits)
+        finished = set()
+        for s, t in zip(decodes, sampled[:nd].tolist()):
+            s.pending = t
+            s.generated += 1
+            self.generated += 1
+            if self._finish_if_done(s):
+                finished.add(s.sid)
+        for j, s in enumerate(finals):
+            self.prefill_chunks.append(s.chunks)
             if s.pending is not None:  # a recomputed sequence keeps the token it had already sampled
                 continue
-            s.pending = int(first[i])
+            s.pending = int(sampled[nd + j])
             s.generated = 1
             self.generated += 1
             children = []
-            for j in range(s.forks_left):
-                c = self._new_seq(s.request, j + 1, list(s.tokens))
+            for k in range(s.forks_left):
+                c = self._new_seq(s.request, k + 1, list(s.tokens))
                 m.fork(s.sid, c.sid)
                 self.checker.fork(s.sid, c.sid)
-                c.pending = int(self._sample(logits[i : i + 1])[0])  # its own sample of the same distribution
+                c.pending = int(self._sample(logits[nd + j : nd + j + 1])[0])  # its own sample of the same logits
                 c.generated = 1
+                c.computed = len(c.tokens)
                 c.state = "running"
                 self.generated += 1
                 self.forks += 1
                 children.append(c)
             s.forks_left = 0
             self.running.extend(children)
-            for x in [s] + children:
+            for x in [s, *children]:
                 if self._finish_if_done(x):
-                    self.running.remove(x)
+                    finished.add(x.sid)
+        if finished:
+            self.running = [s for s in self.running if s.sid not in finished]
+
+    def _swap_in(self) -> None:
+        m = self.manager
+        while self.swapped:
+            s = self.swapped[0]
+            if self._seats() + 1 + s.forks_left > self.cfg.max_batch or not m.can_swap_in([s.sid]):
+                break
+            self.kv.swap_in(m.swap_in([s.sid]))
+            self.swapped.popleft()
+            s.state = "running"
+            self.running.append(s)
+            self.swap_ins += 1
 
     def _sample_memory(self) -> None:
         """Samples the KV pool's real occupancy from the manager (after every iteration)."""
@@ -351,16 +475,9 @@ class Engine:
                 self.open_samples[r.rid] = r.n
                 self.prompt_tokens += len(r.prompt)
                 self.arrived += 1
-            preempted = self._decode()
+            preempted = self._step()
             if not preempted:
                 self._swap_in()
-                if not self.swapped:
-                    self._admit()
-            if not self.running and not self.swapped and self.waiting:
-                raise ConfigError(
-                    f"sequence {self.waiting[0].sid} ({len(self.waiting[0].tokens)} tokens) cannot be admitted "
-                    "into an empty pool: raise --memory"
-                )
             self._sample_memory()
             if self.cfg.prefix_caching and self.step_no % 64 == 0:
                 self.checker.prune(self.manager.is_cached)

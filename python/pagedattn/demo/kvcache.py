@@ -2,8 +2,10 @@
 device, a host pool for swapped-out blocks, and the pagedattn calls that move data.
 
 Every byte the model reads or writes goes through the public API: ``reshape_and_cache``
-(new tokens), ``paged_attention`` (decode), ``copy_blocks`` (copy-on-write after a
-fork) and ``swap_blocks`` (preemption by swapping). The device caches start filled
+(the keys and values of a step's new tokens), ``paged_attention`` with
+``query_start_loc`` (all attention: decode rows and prompt-chunk rows in one call per
+layer), ``copy_blocks`` (copy-on-write after a fork) and ``swap_blocks`` (preemption
+by swapping). The device caches start filled
 with NaN, so reading a slot that was never written shows up in the checks.
 """
 
@@ -51,23 +53,16 @@ class PagedKVCache:
         """k / v [T, K, D] into their slots [T]."""
         pagedattn.reshape_and_cache(k, v, self.key[layer], self.value[layer], slots)
 
-    def attend(self, layer: int, q: Any, block_tables: Any, seq_lens: Any, scale: float) -> Any:
-        """Decode attention of q [S, H, D] over each sequence's cached tokens."""
-        return pagedattn.paged_attention(q, self.key[layer], self.value[layer], block_tables, seq_lens, scale=scale)
-
-    def gather(self, layer: int, blocks: np.ndarray, n: int) -> tuple[Any, Any]:
-        """The first n cached keys and values [n, K, D] of a sequence with these block ids.
-
-        Reads the "vllm" layout: key [N, K, D/x, B, x], value [N, K, D, B].
-        """
-        be, bs = self.be, self.block_size
-        nb = -(-n // bs)
-        rows = np.asarray(blocks[:nb], dtype=np.int64)
-        kb = be.take(self.key[layer], rows)  # [nb, K, D/x, B, x]
-        vb = be.take(self.value[layer], rows)  # [nb, K, D, B]
-        k = be.permute(kb, (0, 3, 1, 2, 4)).reshape(nb * bs, self.num_kv_heads, self.head_size)
-        v = be.permute(vb, (0, 3, 1, 2)).reshape(nb * bs, self.num_kv_heads, self.head_size)
-        return k[:n], v[:n]
+    def attend(
+        self, layer: int, q: Any, block_tables: Any, seq_lens: Any, query_start_loc: Any, max_query_len: int,
+        scale: float,
+    ) -> Any:  # fmt: skip
+        """Varlen attention of q [T, H, D]: sequence i's rows query_start_loc[i] .. [i+1] are
+        its last tokens, attending causally to its seq_lens[i] cached tokens. Returns [T, H, D]."""
+        return pagedattn.paged_attention(
+            q, self.key[layer], self.value[layer], block_tables, seq_lens, scale=scale,
+            query_start_loc=query_start_loc, max_query_len=max_query_len,
+        )  # fmt: skip
 
     def copy(self, pairs: np.ndarray) -> None:
         """Copy-on-write: every (src, dst) block pair, in every layer's caches, in one call."""

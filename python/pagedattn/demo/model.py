@@ -6,14 +6,15 @@ heads) and one fused QKV projection. The weights are drawn from a seed: the poin
 the attention path, not the text. Activations are float32; queries, keys and values
 are rounded to the attention dtype (what the KV cache stores).
 
-- **Decode** (one new token per sequence): the new token's K/V go into the paged cache
-  with ``pagedattn.reshape_and_cache`` and attention is one ``pagedattn.paged_attention``
-  call per layer for the whole batch. Q, K and V are strided views into the fused QKV
-  array: no copies.
-- **Prefill** (the prompt attending to itself): the new tokens' K/V are written with
-  ``reshape_and_cache`` too, but the attention itself is computed densely here (matmul
-  with a causal mask, per sequence), reading every key and value, including a cached
-  prefix that was never recomputed, back from the paged cache.
+One :meth:`TinyDecoder.forward` runs a whole engine step: the decode tokens of the
+running sequences and the prompt chunks being prefilled, concatenated into T rows. Per
+layer, the rows' keys and values go into the paged cache with
+``pagedattn.reshape_and_cache`` (by the step's slot mapping) and then ONE
+``pagedattn.paged_attention`` call with ``query_start_loc`` serves every row: sequence
+i owns rows ``query_start_loc[i] .. query_start_loc[i+1]``, its last tokens, which
+attend causally to everything the cache holds for it (a cached prefix, its own earlier
+chunks, the chunk itself). A decode is the one-row case. Q, K and V are strided views
+into the fused QKV array: no copies. There is no other attention path.
 """
 
 from __future__ import annotations
@@ -26,11 +27,23 @@ import numpy as np
 from .backend import Backend
 from .kvcache import PagedKVCache
 
-__all__ = ["ModelConfig", "TinyDecoder"]
+__all__ = ["ModelConfig", "StepInputs", "TinyDecoder"]
 
-# observer(phase, layer, q, k, v, out): called once per layer with the layer's new
-# queries, keys, values (attention dtype) and attention output. phase is "prefill" or "decode".
-Observer = Callable[[str, int, Any, Any, Any, Any], None]
+# observer(layer, q, k, v, out): called once per layer with the step's queries [T, H, D],
+# keys and values [T, K, D] (attention dtype) and attention output [T, H, D].
+Observer = Callable[[int, Any, Any, Any, Any], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The attention metadata of one step, host arrays from ``BlockManager.step`` (S
+    sequences, T scheduled tokens, M block-table width)."""
+
+    block_tables: np.ndarray  # int32 [S, M]
+    seq_lens: np.ndarray  # int32 [S]: tokens in the cache after this step's writes
+    query_start_loc: np.ndarray  # int32 [S+1]: sequence i owns rows [qsl[i], qsl[i+1])
+    slot_mapping: np.ndarray  # int64 [T]: the cache slot of every row's key and value
+    max_query_len: int  # the longest q_i (a host-side bound for the GPU grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,79 +123,31 @@ class TinyDecoder:
     def _logits(self, x: Any) -> np.ndarray:
         return self.be.to_numpy(self.be.rmsnorm(x, self.norm_f) @ self.unembed)
 
-    def causal_attention(self, q: Any, k: Any, v: Any, context: int) -> Any:
-        """Dense attention of q [t, H, D] over k / v [context + t, K, D] (float32), causal."""
-        be, c = self.be, self.cfg
-        t, n, g = q.shape[0], k.shape[0], c.num_heads // c.num_kv_heads
-        qg = be.permute(q.reshape(t, c.num_kv_heads, g, c.head_size), (1, 2, 0, 3))  # [K, g, t, D]
-        qg = qg.reshape(c.num_kv_heads, g * t, c.head_size)
-        logits = (qg @ be.permute(k, (1, 2, 0))) * self.scale  # [K, g*t, n]
-        allowed = np.arange(n)[None, :] <= (context + np.arange(t))[:, None]  # [t, n]
-        mask = be.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32))
-        p = be.softmax(logits.reshape(c.num_kv_heads, g, t, n) + mask)
-        out = p.reshape(c.num_kv_heads, g * t, n) @ be.permute(v, (1, 0, 2))  # [K, g*t, D]
-        return be.permute(out.reshape(c.num_kv_heads, g, t, c.head_size), (2, 0, 1, 3)).reshape(
-            t, c.num_heads, c.head_size
-        )
-
-    # -- steps --------------------------------------------------------------------------
-    def prefill(
+    # -- the step -----------------------------------------------------------------------
+    def forward(
         self,
         kv: PagedKVCache,
         tokens: np.ndarray,
         positions: np.ndarray,
-        query_start_loc: np.ndarray,
-        context_lens: np.ndarray,
-        block_tables: list[np.ndarray],
-        slot_mapping: np.ndarray,
+        step: StepInputs,
+        logit_rows: np.ndarray,
         observer: Optional[Observer] = None,
     ) -> np.ndarray:
-        """Runs the uncomputed tokens of a batch of sequences; returns the last token's logits [S, V].
+        """Runs one step's rows; returns the logits [R, V] of rows ``logit_rows`` [R].
 
-        ``tokens`` / ``positions`` [T]: the new tokens of all sequences, sequence after
-        sequence (``query_start_loc`` [S+1] delimits them); ``context_lens`` [S]: tokens
-        already in the cache (prefix-cache hits) before each sequence's new ones;
-        ``block_tables``: each sequence's block ids; ``slot_mapping`` [T].
+        ``tokens`` / ``positions`` [T]: every scheduled token of the step, sequence after
+        sequence as ``step.query_start_loc`` delimits them (a decode is one row, a prompt
+        chunk several); ``step`` carries the block manager's metadata for the call.
         """
         be = self.be
         x = self._embed(tokens, positions)
-        slots = be.index(slot_mapping)
-        qsl = [int(i) for i in query_start_loc]
+        slots = be.index(step.slot_mapping)
+        tables, lens, qsl = be.index(step.block_tables), be.index(step.seq_lens), be.index(step.query_start_loc)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x)
             kv.write(li, k, v, slots)
-            outs = []
-            for i in range(len(qsl) - 1):
-                a, b, ctx = qsl[i], qsl[i + 1], int(context_lens[i])
-                kk, vv = kv.gather(li, block_tables[i], ctx + b - a)  # context and new tokens, from the cache
-                qq, kk, vv = (be.cast(t, "float32") for t in (q[a:b], kk, vv))
-                outs.append(self.causal_attention(qq, kk, vv, ctx))
-            attn = be.concat(outs, axis=0)
+            attn = kv.attend(li, q, tables, lens, qsl, step.max_query_len, self.scale)
             if observer is not None:
-                observer("prefill", li, q, k, v, attn)
+                observer(li, q, k, v, attn)
             x = self._finish_layer(layer, x, attn)
-        return self._logits(be.take(x, np.asarray(qsl[1:], dtype=np.int64) - 1))
-
-    def decode(
-        self,
-        kv: PagedKVCache,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
-        slot_mapping: np.ndarray,
-        observer: Optional[Observer] = None,
-    ) -> np.ndarray:
-        """One new token per sequence: tokens / positions / slot_mapping [S], block_tables [S, M],
-        seq_lens [S] (including the new token). Returns logits [S, V]."""
-        be = self.be
-        x = self._embed(tokens, positions)
-        slots, tables, lens = be.index(slot_mapping), be.index(block_tables), be.index(seq_lens)
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x)
-            kv.write(li, k, v, slots)
-            attn = kv.attend(li, q, tables, lens, self.scale)
-            if observer is not None:
-                observer("decode", li, q, k, v, attn)
-            x = self._finish_layer(layer, x, attn)
-        return self._logits(x)
+        return self._logits(be.take(x, np.asarray(logit_rows, dtype=np.int64)))

@@ -1,5 +1,10 @@
 """The serving demo's final report, its JSON form, the optional plot and a progress bar.
 
+The step mix comes from :attr:`Engine.step_log` (one record per forward pass): decode
+rows against prefill-chunk rows per step, how many steps mixed both (one varlen
+``paged_attention`` per layer served them together), how full the token budget ran,
+and into how many chunks each prefill was split (recomputations included).
+
 Memory figures are computed from the block manager's state, sampled after every
 iteration (:meth:`Engine._sample_memory`):
 
@@ -24,6 +29,37 @@ import numpy as np
 from .engine import Engine, itemsize_of
 
 __all__ = ["summarize", "format_report", "write_plot", "Progress", "plot_unavailable_reason"]
+
+
+def step_mix(e: Engine) -> dict[str, Any]:
+    """The step-mix figures of a run (from its step log and completed prefills)."""
+    log = e.step_log
+    dec = np.asarray([r.decode_tokens for r in log], dtype=np.int64)
+    pre = np.asarray([r.prefill_tokens for r in log], dtype=np.int64)
+    total = dec + pre
+    chunks = np.asarray(e.prefill_chunks, dtype=np.int64)
+    budget = e.cfg.max_num_batched_tokens
+    hist = {int(k): int(v) for k, v in zip(*np.unique(chunks, return_counts=True))}
+    return {
+        "token_budget": budget,
+        "steps": len(log),
+        "mixed_steps": int(np.count_nonzero((dec > 0) & (pre > 0))),
+        "decode_only_steps": int(np.count_nonzero((dec > 0) & (pre == 0))),
+        "prefill_only_steps": int(np.count_nonzero((dec == 0) & (pre > 0))),
+        "decode_tokens": int(dec.sum()),
+        "prefill_chunk_tokens": int(pre.sum()),
+        "mean_tokens_per_step": float(total.mean()) if len(log) else 0.0,
+        "peak_tokens_per_step": int(total.max()) if len(log) else 0,
+        "full_budget_steps": int(np.count_nonzero(total == budget)),
+        "budget_utilisation": float(total.mean() / budget) if len(log) else 0.0,
+        "prefills": int(len(chunks)),
+        "prompt_chunks": int(chunks.sum()),
+        "chunked_prefills": int(np.count_nonzero(chunks > 1)),
+        "chunks_per_prefill_mean": float(chunks.mean()) if len(chunks) else 0.0,
+        "chunks_per_prefill_max": int(chunks.max()) if len(chunks) else 0,
+        "chunks_per_prefill_histogram": hist,
+        "interrupted_prefills": e.interrupted_prefills,
+    }
 
 
 def summarize(e: Engine) -> dict[str, Any]:
@@ -77,6 +113,7 @@ def summarize(e: Engine) -> dict[str, Any]:
         "contiguous_utilisation": float(logical.sum() / reserved) if reserved else 0.0,
         "contiguous_max_batch": pool_tokens // mc.max_len,
         "sharing_ratio": float(logical.sum() / held.sum()) if held.sum() else 1.0,
+        "step_mix": step_mix(e),
         "checked_decode_outputs": ck.checked["decode"],
         "checked_prefill_outputs": ck.checked["prefill"],
         "check_sample": cfg.check_sample,
@@ -89,6 +126,12 @@ def summarize(e: Engine) -> dict[str, Any]:
             "logical_tokens": logical.tolist(),
             "sequences": seqs.tolist(),
         },
+        "steps": {
+            "step": [r.step for r in e.step_log],
+            "decode_tokens": [r.decode_tokens for r in e.step_log],
+            "prefill_tokens": [r.prefill_tokens for r in e.step_log],
+            "chunks": [r.chunks for r in e.step_log],
+        },
     }
 
 
@@ -96,8 +139,15 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MB"
 
 
+def _histogram(h: dict) -> str:
+    """{chunks: prefills} -> '1 chunk: 30, 2 chunks: 4' (JSON turns the keys into strings)."""
+    items = sorted((int(k), v) for k, v in h.items())
+    return ", ".join(f"{k} chunk{'s' if k != 1 else ''}: {v}" for k, v in items) or "none"
+
+
 def format_report(s: dict[str, Any]) -> str:
     checked = s["checked_decode_outputs"] + s["checked_prefill_outputs"]
+    mx = s["step_mix"]
     sample = "" if s["check_sample"] >= 1.0 else f" (a {s['check_sample']:.0%} sample per step)"
     pc = (
         f"{s['prefix_cache_hit_rate']:.1%} of prompt tokens looked up "
@@ -112,6 +162,16 @@ def format_report(s: dict[str, Any]) -> str:
         f"  tokens generated      {s['tokens_generated']}  ({s['tokens_per_second']:.0f} tokens/s; "
         f"{s['tokens_per_second_unchecked']:.0f} tokens/s without the float64 checks)",
         f"  prompt tokens         {s['prompt_tokens']}  ({s['prefill_tokens_computed']} run through the model)",
+        f"  engine steps          {mx['steps']}  (one paged_attention call per layer each; budget "
+        f"{mx['token_budget']} tokens: {mx['mixed_steps']} mixed decode + prefill, {mx['decode_only_steps']} "
+        f"decode only, {mx['prefill_only_steps']} prefill only)",
+        f"  step tokens           {mx['decode_tokens']} decode + {mx['prefill_chunk_tokens']} prefill-chunk  "
+        f"(per step: mean {mx['mean_tokens_per_step']:.1f}, peak {mx['peak_tokens_per_step']}; "
+        f"{mx['full_budget_steps']} steps used the whole budget)",
+        f"  prompt chunks         {mx['prompt_chunks']} for {mx['prefills']} prefills  "
+        f"({mx['chunked_prefills']} split over several steps, at most {mx['chunks_per_prefill_max']}; "
+        f"{_histogram(mx['chunks_per_prefill_histogram'])}; "
+        f"{mx['interrupted_prefills']} preempted part-way)",
         f"  decode steps          {s['decode_steps']}  (batch: peak {s['peak_batch']}, mean {s['mean_batch']:.1f})",
         f"  preemptions           {s['preemptions_swap'] + s['preemptions_recompute']}  "
         f"(swap {s['preemptions_swap']}: {s['blocks_swapped_out']} blocks out, {s['blocks_swapped_in']} in; "
@@ -125,7 +185,9 @@ def format_report(s: dict[str, Any]) -> str:
         "(shared prefixes and forks)",
         f"  contiguous            {s['contiguous_utilisation']:.1%} of reserved slots would hold tokens "
         f"(reserving {s['max_len']} per sequence); largest batch {s['contiguous_max_batch']} sequences",
-        f"checked {checked} attention outputs{sample} against dense float64 attention: all within tolerance "
+        f"checked {checked} attention output rows{sample} ({s['checked_decode_outputs']} decode, "
+        f"{s['checked_prefill_outputs']} prefill-chunk; every layer) against dense float64 attention: "
+        "all within tolerance "
         f"(worst {s['worst_error_over_tolerance']:.2f} of atol {s['tolerance']['atol']:g} + "
         f"rtol {s['tolerance']['rtol']:g})",
     ]
@@ -142,7 +204,9 @@ def plot_unavailable_reason() -> Optional[str]:
 
 
 def write_plot(s: dict[str, Any], path: str) -> None:
-    """KV memory in use over time: paged (blocks in use, tokens held) against contiguous reservation."""
+    """Two panels over the engine steps: KV memory in use, paged (blocks in use, tokens
+    held) against contiguous reservation; and each step's rows, decode tokens and
+    prefill-chunk tokens stacked under the token budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,12 +219,13 @@ def write_plot(s: dict[str, Any], path: str) -> None:
     held = np.asarray(tl["tokens_held"]) * tb
     contiguous = np.asarray(tl["sequences"]) * s["max_len"] * tb
     pool = s["pool_bytes"] / 2**20
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, (ax, mix) = plt.subplots(
+        2, 1, figsize=(8, 7), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )  # fmt: skip
     ax.plot(step, contiguous, color="tab:red", lw=1.2, label=f"contiguous: {s['max_len']} slots reserved per sequence")
     ax.plot(step, paged, color="tab:blue", lw=1.2, label="paged: blocks in use")
     ax.fill_between(step, 0, held, color="tab:blue", alpha=0.25, lw=0, label="tokens actually held")
     ax.axhline(pool, color="black", ls="--", lw=1, label=f"KV pool ({pool:.1f} MB)")
-    ax.set_xlabel("engine step")
     ax.set_ylabel("KV memory (MB)")
     top = max(pool * 1.15, float(paged.max(initial=0)) * 1.05, min(float(contiguous.max(initial=0)), pool * 4))
     ax.set_ylim(0, top)
@@ -180,9 +245,29 @@ def write_plot(s: dict[str, Any], path: str) -> None:
         f"contiguous {s['contiguous_utilisation']:.0%}"
     )
     ax.legend(loc="center right", fontsize=8)
+    _plot_step_mix(mix, s)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_step_mix(ax: Any, s: dict[str, Any]) -> None:
+    st, mx = s["steps"], s["step_mix"]
+    step = np.asarray(st["step"])
+    dec = np.asarray(st["decode_tokens"])
+    pre = np.asarray(st["prefill_tokens"])
+    ax.bar(step, dec, width=1.0, color="tab:green", lw=0, label="decode tokens")
+    ax.bar(step, pre, width=1.0, bottom=dec, color="tab:orange", lw=0, label="prefill-chunk tokens")
+    ax.axhline(mx["token_budget"], color="black", ls="--", lw=1, label=f"token budget ({mx['token_budget']})")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens in the step")
+    ax.set_ylim(0, mx["token_budget"] * 1.1)
+    ax.set_title(
+        f"step mix: {mx['mixed_steps']} of {mx['steps']} steps mixed decodes and prompt chunks; "
+        f"{mx['chunked_prefills']} prefill{'s' if mx['chunked_prefills'] != 1 else ''} split over several steps",
+        fontsize=10,
+    )
+    ax.legend(loc="upper right", fontsize=8)
 
 
 class Progress:
