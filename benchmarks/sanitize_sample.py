@@ -37,10 +37,20 @@ cases = [
 if quick:
     cases = cases[:2]
 for c in cases:
-    p = make_problem(rng, [0, 1, 33, 190], num_heads=8, num_kv_heads=2, head_size=c["head_size"],
-                     block_size=c["block_size"], dtype=c["dtype"], layout=c["layout"], alibi=True)
-    out = pagedattn.paged_attention(*[t(a) for a in p.args()], alibi_slopes=t(p.alibi_slopes), kernel=c["kernel"],
-                                    partition_size=64)
+    p = make_problem(
+        rng,
+        [0, 1, 33, 190],
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=c["head_size"],
+        block_size=c["block_size"],
+        dtype=c["dtype"],
+        layout=c["layout"],
+        alibi=True,
+    )
+    out = pagedattn.paged_attention(
+        *[t(a) for a in p.args()], alibi_slopes=t(p.alibi_slopes), kernel=c["kernel"], partition_size=64
+    )
     torch.cuda.synchronize()
     assert_close(back(out), paged_attention_ref(*p.args(), alibi_slopes=p.alibi_slopes), c["dtype"], str(c))
 
@@ -57,15 +67,32 @@ for layout, head in (("vllm", 64), ("nhd", 72)):
     q = torch.randn(2, 8, head, dtype=torch.float16, device="cuda")
     bt = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32, device="cuda")
     sl = torch.tensor([37, 20], dtype=torch.int32, device="cuda")
-    out = pagedattn.paged_attention(q, kc, vc, bt, sl, kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2,
-                                    kernel="partitioned", partition_size=16)
-    ref = paged_attention_ref(q.cpu().numpy(), kc.cpu().numpy(), vc.cpu().numpy(), bt.cpu().numpy(),
-                              sl.cpu().numpy(), kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2)
+    out = pagedattn.paged_attention(
+        q, kc, vc, bt, sl, kv_cache_dtype="fp8_e5m2", k_scale=0.1, v_scale=0.2, kernel="partitioned", partition_size=16
+    )
+    ref = paged_attention_ref(
+        q.cpu().numpy(),
+        kc.cpu().numpy(),
+        vc.cpu().numpy(),
+        bt.cpu().numpy(),
+        sl.cpu().numpy(),
+        kv_cache_dtype="fp8_e5m2",
+        k_scale=0.1,
+        v_scale=0.2,
+    )
     assert_close(out.cpu().numpy(), ref, np.float16, f"fp8 {layout}")
 
 # lengths at partition boundaries (v2 with 64-token partitions) and a 1-token tail
-p = make_problem(rng, [63, 64, 65, 128, 129], num_heads=8, num_kv_heads=1, head_size=128, block_size=16,
-                 dtype=np.float16, layout="vllm")
+p = make_problem(
+    rng,
+    [63, 64, 65, 128, 129],
+    num_heads=8,
+    num_kv_heads=1,
+    head_size=128,
+    block_size=16,
+    dtype=np.float16,
+    layout="vllm",
+)
 out = pagedattn.paged_attention(*[t(a) for a in p.args()], kernel="partitioned", partition_size=64)
 torch.cuda.synchronize()
 assert_close(back(out), paged_attention_ref(*p.args()), np.float16, "partition boundaries")
@@ -89,11 +116,70 @@ except IndexError as e:
 sl = p.seq_lens.copy()
 sl[0] = 10**6
 try:
-    pagedattn.paged_attention(t(p.query), t(p.key_cache), t(p.value_cache), t(p.block_tables), t(sl),
-                              check_block_tables=True)
+    pagedattn.paged_attention(
+        t(p.query), t(p.key_cache), t(p.value_cache), t(p.block_tables), t(sl), check_block_tables=True
+    )
     raise AssertionError("check_block_tables=True did not raise for a bad length")
 except IndexError as e:
     assert "seq_lens[0]" in str(e), str(e)
+
+# varlen (chunked prefill / mixed batch): tensor-core and CUDA-core kernels, fp8, both
+# layouts, the mixed route (single-row sequences on the decode kernels) and bad metadata
+for dtype, layout, head, kind in (
+    (np.float16, "vllm", 128, "auto"),
+    (BF16, "nhd", 64, "fp8_e4m3"),
+    (np.float32, "nhd", 40, "auto"),
+    (np.float16, "nhd", 96, "auto"),
+):
+    if quick and dtype is np.float32:
+        continue
+    p = make_problem(
+        rng,
+        [1, 70, 130, 9],
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=head,
+        block_size=16,
+        dtype=dtype,
+        layout=layout,
+        alibi=True,
+    )
+    kw = {}
+    if kind != "auto":
+        kw = dict(kv_cache_dtype=kind, k_scale=0.05, v_scale=0.05)
+        kshape, vshape = pagedattn.kv_cache_shape(p.key_cache.shape[0], 16, 2, head, "uint8", layout)
+        kc, vc = np.full(kshape, 0x7F, np.uint8), np.full(vshape, 0x7F, np.uint8)
+        for i, n in enumerate(p.seq_lens):
+            tok = np.arange(int(n))
+            slots = p.block_tables[i, tok // 16].astype(np.int64) * 16 + tok % 16
+            kv = rng.standard_normal((2, int(n), 2, head)).astype(dtype)
+            pagedattn.reshape_and_cache(kv[0], kv[1], kc, vc, slots, **kw)
+        p.key_cache, p.value_cache = kc, vc
+    qsl = np.array([0, 1, 41, 171, 172], np.int32)  # 1, 40, 130 (all of it) and 1 rows
+    q = rng.standard_normal((172, 8, head)).astype(dtype)
+    args = [t(q), t(p.key_cache), t(p.value_cache), t(p.block_tables), t(p.seq_lens)]
+    out = pagedattn.paged_attention(*args, query_start_loc=t(qsl), alibi_slopes=t(p.alibi_slopes), **kw)
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(
+        q,
+        p.key_cache,
+        p.value_cache,
+        p.block_tables,
+        p.seq_lens,
+        query_start_loc=qsl,
+        alibi_slopes=p.alibi_slopes,
+        **kw,
+    )
+    assert_close(back(out), ref, dtype, f"varlen {layout} D={head} {kind}")
+    bad = qsl.copy()
+    bad[2] = 500  # past T: the kernels must stay inside the query and output
+    out = pagedattn.paged_attention(*args, query_start_loc=t(bad), alibi_slopes=t(p.alibi_slopes), **kw)
+    torch.cuda.synchronize()
+    try:
+        pagedattn.paged_attention(*args, query_start_loc=t(bad), check_block_tables=True, **kw)
+        raise AssertionError("check_block_tables=True did not raise for a bad query_start_loc")
+    except ValueError as e:
+        assert "query_start_loc" in str(e), str(e)
 
 # block copy / swap
 cache = torch.randn(8, 2, 64, 16, dtype=torch.float16, device="cuda")
