@@ -14,6 +14,12 @@
 #include "cuda/prefill_inst.cuh"
 #include "cuda/prefill_launch.cuh"
 
+// A tuning knob: -DPAGEDATTN_PREFILL_FLAT=0 gives the tensor-core kernel the per-sequence
+// grid as well (for A/B timing of the flat grid).
+#ifndef PAGEDATTN_PREFILL_FLAT
+#define PAGEDATTN_PREFILL_FLAT 1
+#endif
+
 namespace pagedattn::cuda_backend {
 namespace {
 
@@ -52,7 +58,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   // (prefill_flat_task): ceil(T * G / rows) + S CTAs, however the rows are split. The
   // CUDA-core kernel and checked calls (which must visit every sequence to report it)
   // take a tile bound per sequence: max_query_len when given, else T.
-  const bool flat = kernel.smem > 0 && !p.check_block_tables;
+  const bool flat = PAGEDATTN_PREFILL_FLAT && kernel.smem > 0 && !p.check_block_tables;
   const std::int64_t tiles = flat ? (p.num_tokens * group + kernel.rows - 1) / kernel.rows + p.num_seqs
                                   : (bound * group + kernel.rows - 1) / kernel.rows;
   if (tiles > 0x7fffffff)
