@@ -87,7 +87,8 @@ const Keyword kKeywords[] = {
      "sequence i owns rows query_start_loc[i] .. query_start_loc[i + 1], its last tokens (causal)",
      [](CallKeywords& k, nb::handle v, const char*) { k.query_start_loc = v; }},
     {"max_query_len", kDecodeCall, "int | None", "None",
-     "with query_start_loc: a host-side bound on every sequence's query rows (sizes the CUDA grid; default T)",
+     "with query_start_loc: a host-side bound on every sequence's query rows (1 with T = S: the decode kernels; "
+     "sizes the CUDA-core kernel's grid; default T)",
      [](CallKeywords& k, nb::handle v, const char* n) {
        k.options.max_query_len = v.is_none() ? std::nullopt : std::optional<int>(int_arg(v, n));
      }},

@@ -46,9 +46,12 @@ struct AttentionOptions {
   // Varlen queries (chunked prefill, mixed prefill + decode batches): int32 [S + 1]; see
   // paged_attention. Absent: one query token per sequence (decode).
   std::optional<TensorView> query_start_loc;
-  // Host-side upper bound on every query_start_loc[i + 1] - query_start_loc[i]: sizes the
-  // CUDA grid without reading device memory. Absent: the CUDA path bounds it by T (correct,
-  // more idle CTAs); the host path reads the exact value.
+  // Host-side upper bound on every query_start_loc[i + 1] - query_start_loc[i]. The CUDA
+  // path never reads device memory to size its grid: the tensor-core kernel needs no bound
+  // (a flat grid of ceil(T * G / 128) + S tiles); the CUDA-core kernel (float32, other head
+  // sizes) and checked calls take max_query_len tiles per sequence, T when absent (correct,
+  // more idle CTAs). max_query_len = 1 with T = S runs the decode kernels. A sequence with
+  // more rows is an error (raised on the host and by checked calls; NaN rows otherwise).
   std::optional<int> max_query_len;
 };
 
