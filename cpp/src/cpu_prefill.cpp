@@ -1,93 +1,375 @@
 // CPU paged attention, varlen form (chunked prefill and mixed batches).
 //
-// One task per (sequence, KV head): the sequence's keys and values of that head are read
-// from the paged cache once into float32 rows, then every query row of every query head
-// of the group is served from them with a numerically stable softmax in float32.
+// Work is cut into tiles: up to kTileRows rows of one sequence and one KV head, where a
+// row is one (query token, query head of the KV head's group) pair, token-major. A tile
+// walks its keys in chunks of whole blocks (about kChunkKeys keys). Each chunk is read
+// from the paged cache and converted to float32 once for the whole tile, keys transposed
+// to [D, chunk] and values to [chunk, D], then
+//   S = (scale * Q) . K^T        one blocked matrix product over the tile's rows,
+//   causal mask (diagonal chunks only; chunks wholly above the diagonal are never read),
+//   online softmax in float32 (running max and sum per row),
+//   O += P . V                   a second blocked matrix product.
+// O is summed in float32 over at most kMergeKeys keys and then folded into a float64
+// total (as the decode path does), so the error does not grow with the context length.
+// The matrix products and the exponentials are compiled for AVX-512, AVX2 + FMA and the
+// baseline, picked once at run time (PAGEDATTN_CPU_ISA=avx512|avx2|generic narrows it).
+//
+// A batch whose every sequence has one query row is the decode problem itself and goes
+// to the decode path, so it returns the decode call's numbers exactly.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
+#include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
 
 namespace pagedattn::cpu {
 namespace {
 
-// Reads tokens [0, len) of KV head kh of sequence s into k / v ([len, D] float32).
-void gather_kv(const DecodeParams& p, std::int64_t s, int kh, int len, float* k, float* v) {
-  const int D = p.head_size, B = p.block_size, K = p.num_kv_heads;
-  const std::size_t es = cache_elem_size(p.dtype, p.kv_cache_dtype);
-  const int x = static_cast<int>(16 / es);
-  const auto* kc = static_cast<const char*>(p.key_cache);
-  const auto* vc = static_cast<const char*>(p.value_cache);
-  const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
-  for (int t = 0; t < len; ++t) {
-    const std::int64_t blk = row[t / B];
-    const int off = t % B;
-    float* kt = k + static_cast<std::size_t>(t) * D;
-    float* vt = v + static_cast<std::size_t>(t) * D;
-    if (p.layout == CacheLayout::kNHD) {
-      const std::int64_t base = ((blk * B + off) * K + kh) * D;
-      load_row(kc + base * es, p.dtype, p.kv_cache_dtype, p.k_scale, D, kt);
-      load_row(vc + base * es, p.dtype, p.kv_cache_dtype, p.v_scale, D, vt);
-    } else {
-      const std::int64_t head = blk * K + kh;
-      for (int c = 0; c < D / x; ++c)
-        load_row(kc + ((head * (D / x) + c) * B + off) * x * es, p.dtype, p.kv_cache_dtype, p.k_scale, x,
-                 kt + c * x);
-      for (int d = 0; d < D; ++d)
-        load_row(vc + ((head * D + d) * B + off) * es, p.dtype, p.kv_cache_dtype, p.v_scale, 1, vt + d);
+constexpr int kTileRows = 256;   // rows (tokens x group heads) per tile, at least one token
+constexpr int kChunkKeys = 64;   // keys per chunk, rounded down to whole blocks (at least one)
+constexpr int kMergeKeys = 256;  // keys summed in float32 before folding into float64
+constexpr int kColPad = 32;      // key-chunk and head-size columns are padded to this
+constexpr int kRowPad = 8;       // tile rows are padded to this
+
+constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------
+// Inner loops, one copy per instruction set (see cpu_prefill_kernels.inc).
+// ---------------------------------------------------------------------------------------
+namespace generic {
+constexpr int VW = 8, MR = 4;
+#include "cpu_prefill_kernels.inc"
+}  // namespace generic
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PAGEDATTN_NO_MULTIVERSION)
+#define PAGEDATTN_PREFILL_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+constexpr int VW = 8, MR = 4;
+#include "cpu_prefill_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+constexpr int VW = 16, MR = 8;
+#include "cpu_prefill_kernels.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+struct Kernels {
+  void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int, bool);
+  void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
+};
+
+Kernels pick_kernels() {
+  const char* want = std::getenv("PAGEDATTN_CPU_ISA");
+  const auto allowed = [&](const char* name) { return !want || !*want || std::strcmp(want, name) == 0; };
+#ifdef PAGEDATTN_PREFILL_X86
+  __builtin_cpu_init();
+  if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+    return {avx512::gemm, avx512::softmax_chunk};
+  if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {avx2::gemm, avx2::softmax_chunk};
+#endif
+  (void)allowed;
+  return {generic::gemm, generic::softmax_chunk};
+}
+
+const Kernels& kernels() {
+  static const Kernels k = pick_kernels();
+  return k;
+}
+
+// ---------------------------------------------------------------------------------------
+// The work list.
+// ---------------------------------------------------------------------------------------
+struct Tile {
+  int seq;
+  int kv_head;
+  int j0, j1;             // the tile's query rows of the sequence: [j0, j1) of its q rows
+  std::int64_t row0;      // query_start_loc[seq]
+  int q_len, seq_len;     // as read once for the whole call
+  std::int64_t cost;      // the sequence's seq_len x q_len: costly sequences go first
+};
+
+// Reads query_start_loc and seq_lens once and checks them again (validation passed, but
+// the caller's memory may change while the call runs: a change must give an error, never
+// an access out of bounds), then cuts every sequence into tiles. Tiles of one sequence
+// and KV head stay together (they read the same keys and values, which then stay in
+// cache); the most costly sequences go first so the pool's threads finish together.
+std::vector<Tile> make_tiles(const DecodeParams& p, int tokens_per_tile) {
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+  std::vector<Tile> tiles;
+  std::int32_t start = p.query_start_loc[0];
+  if (start != 0)
+    fail<OutOfRange>("query_start_loc[0] = ", start, " is not 0 (it changed while the call ran)");
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const std::int32_t next = p.query_start_loc[s + 1];
+    const std::int32_t len = p.seq_lens[s];
+    if (len < 0 || len > max_len)
+      fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, ", max_len, "] (it changed while the call ran)");
+    if (next < start || next > p.num_tokens || next - start > len)
+      fail<OutOfRange>("query_start_loc[", s + 1, "] = ", next, " does not give sequence ", s,
+                       " between 0 and seq_lens = ", len, " rows within num_tokens = ", p.num_tokens,
+                       " (it changed while the call ran)");
+    const int q = next - start;
+    // Later rows see more keys: a group's tiles run last row first.
+    for (int kh = 0; kh < p.num_kv_heads; ++kh) {
+      for (int j1 = q; j1 > 0; j1 -= tokens_per_tile) {
+        const int j0 = std::max(0, j1 - tokens_per_tile);
+        tiles.push_back({s, kh, j0, j1, start, q, len, static_cast<std::int64_t>(len) * q});
+      }
+    }
+    start = next;
+  }
+  if (start != p.num_tokens)
+    fail<OutOfRange>("query_start_loc[", p.num_seqs, "] = ", start, " is not num_tokens = ", p.num_tokens,
+                     " (it changed while the call ran)");
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  return tiles;
+}
+
+// ---------------------------------------------------------------------------------------
+// One tile.
+// ---------------------------------------------------------------------------------------
+struct Scratch {
+  std::vector<float> q;      // [Mp, D], pre-scaled; padding rows 0
+  std::vector<float> kt;     // [D, NC]: the chunk's keys, transposed
+  std::vector<float> v;      // [NC, Dp]: the chunk's values
+  std::vector<float> s;      // [Mp, NC]: logits, then probabilities
+  std::vector<float> o32;    // [Mp, Dp]: float32 sum of at most kMergeKeys keys
+  std::vector<double> o64;   // [Mp, Dp]: float64 total
+  std::vector<float> row_max, corr;
+  std::vector<double> row_sum;
+  std::vector<float> raw;    // one block of one head as float32, in cache order
+  std::vector<std::int32_t> blocks;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+class TileTask {
+ public:
+  TileTask(const DecodeParams& p, const Tile& t, const Kernels& k)
+      : p_(p),
+        t_(t),
+        k_(k),
+        G_(p.num_heads / p.num_kv_heads),
+        D_(p.head_size),
+        Dp_(static_cast<int>(round_up(p.head_size, kColPad))),
+        B_(p.block_size),
+        R_(t.j1 - t.j0),
+        M_(R_ * G_),
+        Mp_(static_cast<int>(round_up(M_, kRowPad))),
+        chunk_blocks_(std::max(1, kChunkKeys / p.block_size)),
+        NC_(static_cast<int>(round_up(static_cast<std::int64_t>(chunk_blocks_) * p.block_size, kColPad))),
+        pos0_(t.seq_len - t.q_len + t.j0),
+        keys_(pos0_ + R_),
+        ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
+        x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
+        s_(scratch()) {}
+
+  void run() {
+    read_block_ids();
+    load_query();
+    const auto mp = static_cast<std::size_t>(Mp_);
+    s_.kt.assign(static_cast<std::size_t>(D_) * NC_, 0.0f);
+    s_.v.assign(static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    s_.s.resize(mp * NC_);
+    s_.o32.assign(mp * Dp_, 0.0f);
+    s_.o64.assign(mp * Dp_, 0.0);
+    s_.row_max.assign(mp, -INFINITY);
+    s_.row_sum.assign(mp, 0.0);
+    s_.corr.resize(mp);
+    const int chunk_keys = chunk_blocks_ * B_;
+    const int per_fold = std::max(1, kMergeKeys / chunk_keys);
+    int since_fold = 0;
+    for (int k0 = 0; k0 < keys_; k0 += chunk_keys) {
+      const int n = std::min(chunk_keys, keys_ - k0);
+      load_chunk(k0, n);
+      k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
+      bias_and_mask(k0, n);
+      k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
+      rescale();
+      k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
+      if (++since_fold == per_fold) {
+        fold();
+        since_fold = 0;
+      }
+    }
+    fold();
+    write_out();
+  }
+
+ private:
+  std::size_t row(int m) const { return static_cast<std::size_t>(m); }
+  // Position of tile row m (token-major: m = r * G + g); padding rows take the last one.
+  int pos(int m) const { return pos0_ + std::min(m / G_, R_ - 1); }
+
+  void read_block_ids() {
+    const int nb = keys_ / B_ + (keys_ % B_ != 0);
+    const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(t_.seq) * p_.max_blocks_per_seq;
+    s_.blocks.resize(static_cast<std::size_t>(nb));
+    for (int b = 0; b < nb; ++b) {
+      const std::int32_t id = row[b];
+      if (id < 0 || id >= p_.num_blocks)
+        fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id, " is outside [0, num_blocks = ", p_.num_blocks,
+                         ") (it changed while the call ran)");
+      s_.blocks[static_cast<std::size_t>(b)] = id;
     }
   }
+
+  void load_query() {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    s_.q.assign(static_cast<std::size_t>(Mp_) * D_, 0.0f);
+    for (int r = 0; r < R_; ++r) {
+      const std::int64_t tok = t_.row0 + t_.j0 + r;
+      for (int g = 0; g < G_; ++g) {
+        const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
+        float* q = s_.q.data() + row(r * G_ + g) * D_;
+        load_row(static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * elem, p_.dtype,
+                 KVCacheDType::kAuto, 1.0f, D_, q);
+        for (int d = 0; d < D_; ++d) q[d] *= p_.scale;
+      }
+    }
+  }
+
+  // Keys [k0, k0 + n) (whole blocks but maybe the last) into kt [D, NC] and v [NC, Dp];
+  // columns / rows n .. NC stay 0 so padding never meets the cache's unwritten slots.
+  void load_chunk(int k0, int n) {
+    float* kt = s_.kt.data();
+    float* v = s_.v.data();
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
+    s_.raw.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, D_)));
+    float* raw = s_.raw.data();
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const int nt = std::min(B_, n - c0);
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        // keys [D/x][B][x]: converted whole (slots past nt are converted, never used)
+        load_row(kc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.k_scale, static_cast<int>(head_elems),
+                 raw);
+        for (int c = 0; c < D_ / x_; ++c)
+          for (int t = 0; t < nt; ++t)
+            for (int i = 0; i < x_; ++i)
+              kt[static_cast<std::size_t>(c * x_ + i) * NC_ + c0 + t] = raw[(static_cast<std::size_t>(c) * B_ + t) * x_ + i];
+        // values [D][B]
+        load_row(vc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.v_scale, static_cast<int>(head_elems),
+                 raw);
+        for (int t = 0; t < nt; ++t) {
+          float* vr = v + static_cast<std::size_t>(c0 + t) * Dp_;
+          for (int d = 0; d < D_; ++d) vr[d] = raw[static_cast<std::size_t>(d) * B_ + t];
+        }
+      } else {  // nhd [N][B][K][D]: one row per token
+        for (int t = 0; t < nt; ++t) {
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * ce_;
+          load_row(kc + off, p_.dtype, p_.kv_cache_dtype, p_.k_scale, D_, raw);
+          for (int d = 0; d < D_; ++d) kt[static_cast<std::size_t>(d) * NC_ + c0 + t] = raw[d];
+          load_row(vc + off, p_.dtype, p_.kv_cache_dtype, p_.v_scale, D_, v + static_cast<std::size_t>(c0 + t) * Dp_);
+        }
+      }
+    }
+    if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
+      for (int d = 0; d < D_; ++d) std::fill(kt + static_cast<std::size_t>(d) * NC_ + n, kt + (d + 1) * NC_, 0.0f);
+      std::fill(v + static_cast<std::size_t>(n) * Dp_, v + static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    }
+  }
+
+  // ALiBi (slope[h] * (t - p)) and the causal mask: key t is visible to row m when
+  // t <= pos(m); that also hides the chunk's padding columns (t >= keys_ > pos(m)).
+  void bias_and_mask(int k0, int n) {
+    const bool diagonal = k0 + NC_ - 1 > pos0_;
+    for (int m = 0; m < Mp_; ++m) {
+      float* s = s_.s.data() + row(m) * NC_;
+      const int p = pos(m);
+      if (p_.alibi_slopes && m < M_) {
+        const float slope = p_.alibi_slopes[t_.kv_head * G_ + m % G_];
+        for (int c = 0; c < n; ++c) s[c] += slope * static_cast<float>(k0 + c - p);
+      }
+      if (diagonal)
+        for (int c = std::max(0, p - k0 + 1); c < NC_; ++c) s[c] = -INFINITY;
+    }
+  }
+
+  // Rows whose max rose: their float32 and float64 output sums follow the new scale.
+  void rescale() {
+    for (int m = 0; m < Mp_; ++m) {
+      const float c = s_.corr[row(m)];
+      if (c == 1.0f) continue;
+      float* o = s_.o32.data() + row(m) * Dp_;
+      double* t = s_.o64.data() + row(m) * Dp_;
+      for (int d = 0; d < D_; ++d) {
+        o[d] *= c;
+        t[d] *= c;
+      }
+    }
+  }
+
+  void fold() {
+    for (std::size_t i = 0; i < s_.o32.size(); ++i) s_.o64[i] += s_.o32[i];
+    std::fill(s_.o32.begin(), s_.o32.end(), 0.0f);
+  }
+
+  void write_out() {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    float* out_row = s_.raw.data();  // at least D floats
+    for (int m = 0; m < M_; ++m) {
+      const double inv = 1.0 / s_.row_sum[row(m)];
+      const double* t = s_.o64.data() + row(m) * Dp_;
+      for (int d = 0; d < D_; ++d) out_row[d] = static_cast<float>(t[d] * inv);
+      const std::int64_t tok = t_.row0 + t_.j0 + m / G_;
+      const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + m % G_;
+      store_row(out_row, p_.dtype, KVCacheDType::kAuto, 1.0f, D_,
+                static_cast<char*>(p_.out) + (tok * p_.o_stride_seq + h * p_.o_stride_head) * elem);
+    }
+  }
+
+  const DecodeParams& p_;
+  const Tile& t_;
+  const Kernels& k_;
+  const int G_, D_, Dp_, B_, R_, M_, Mp_, chunk_blocks_, NC_, pos0_, keys_;
+  const std::int64_t ce_;
+  const int x_;
+  Scratch& s_;
+};
+
+// Every sequence has exactly one query row (checked on the values read once): the call
+// is the decode problem, rows = sequences.
+bool all_single_rows(const DecodeParams& p) {
+  if (p.num_tokens != p.num_seqs) return false;
+  for (int s = 0; s <= p.num_seqs; ++s)
+    if (p.query_start_loc[s] != s) return false;
+  return true;
 }
 
 }  // namespace
 
 void paged_attention_varlen(const DecodeParams& p) {
-  const int D = p.head_size, K = p.num_kv_heads, G = p.num_heads / p.num_kv_heads;
-  const std::size_t es = dtype_size(p.dtype);
-  const KVCacheDType kAuto = KVCacheDType::kAuto;
-  parallel_for(static_cast<std::int64_t>(p.num_seqs) * K, [&](std::int64_t task) {
-    const std::int64_t s = task / K;
-    const int kh = static_cast<int>(task % K);
-    const std::int64_t row0 = p.query_start_loc[s];
-    const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
-    const int len = p.seq_lens[s];
-    if (q_len == 0) return;
-    std::vector<float> k(static_cast<std::size_t>(len) * D), v(k.size()), q(D), acc(D), logits(len);
-    gather_kv(p, s, kh, len, k.data(), v.data());
-    for (int g = 0; g < G; ++g) {
-      const int h = kh * G + g;
-      const float slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.0f;
-      for (int j = 0; j < q_len; ++j) {
-        const std::int64_t r = row0 + j;
-        const int pos = len - q_len + j;  // the row's position; it attends to 0 .. pos
-        load_row(static_cast<const char*>(p.query) + (r * p.q_stride_seq + h * p.q_stride_head) * es, p.dtype,
-                 kAuto, 1.0f, D, q.data());
-        float mx = -INFINITY;
-        for (int t = 0; t <= pos; ++t) {
-          const float* kt = k.data() + static_cast<std::size_t>(t) * D;
-          float dot = 0.0f;
-          for (int d = 0; d < D; ++d) dot += q[static_cast<std::size_t>(d)] * kt[d];
-          logits[static_cast<std::size_t>(t)] = dot * p.scale + slope * static_cast<float>(t - pos);
-          mx = std::max(mx, logits[static_cast<std::size_t>(t)]);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float sum = 0.0f;
-        for (int t = 0; t <= pos; ++t) {
-          const float w = std::exp(logits[static_cast<std::size_t>(t)] - mx);
-          sum += w;
-          const float* vt = v.data() + static_cast<std::size_t>(t) * D;
-          for (int d = 0; d < D; ++d) acc[static_cast<std::size_t>(d)] += w * vt[d];
-        }
-        for (float& a : acc) a /= sum;
-        store_row(acc.data(), p.dtype, kAuto, 1.0f, D,
-                  static_cast<char*>(p.out) + (r * p.o_stride_seq + h * p.o_stride_head) * es);
-      }
-    }
-  });
+  if (all_single_rows(p)) {
+    DecodeParams d = p;
+    d.query_start_loc = nullptr;
+    paged_attention(d);
+    return;
+  }
+  const int G = p.num_heads / p.num_kv_heads;
+  const std::vector<Tile> tiles = make_tiles(p, std::max(1, kTileRows / G));
+  const Kernels& k = kernels();
+  parallel_for(static_cast<std::int64_t>(tiles.size()),
+               [&](std::int64_t i) { TileTask(p, tiles[static_cast<std::size_t>(i)], k).run(); });
 }
 
 }  // namespace pagedattn::cpu
