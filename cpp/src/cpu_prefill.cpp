@@ -12,7 +12,8 @@
 // O is summed in float32 over at most kMergeKeys keys and then folded into a float64
 // total (as the decode path does), so the error does not grow with the context length.
 // The matrix products and the exponentials are compiled for AVX-512, AVX2 + FMA and the
-// baseline, picked once at run time (PAGEDATTN_CPU_ISA=avx512|avx2|generic narrows it).
+// baseline, picked once at run time (PAGEDATTN_CPU_ISA=avx512bf16|avx512|avx2|generic narrows it); on
+// CPUs with AVX512-BF16, bfloat16 inputs take bf16 pair products (see bf16dot)..
 //
 // A batch whose every sequence has one query row is the decode problem itself and goes
 // to the decode path, so it returns the decode call's numbers exactly.
@@ -26,6 +27,11 @@
 #include "cpu_elements.hpp"
 #include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PAGEDATTN_NO_MULTIVERSION)
+#define PAGEDATTN_PREFILL_X86 1
+#include <immintrin.h>
+#endif
 
 namespace pagedattn::cpu {
 namespace {
@@ -46,8 +52,7 @@ constexpr int VW = 8, MR = 4;
 #include "cpu_prefill_kernels.inc"
 }  // namespace generic
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PAGEDATTN_NO_MULTIVERSION)
-#define PAGEDATTN_PREFILL_X86 1
+#ifdef PAGEDATTN_PREFILL_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -62,11 +67,71 @@ constexpr int VW = 16, MR = 8;
 #include "cpu_prefill_kernels.inc"
 }  // namespace avx512
 #pragma GCC pop_options
+
+// bfloat16 inputs on CPUs with AVX512-BF16: the products run as bf16 pair dot products
+// (vdpbf16ps: 32 multiply-adds per instruction, twice the float32 rate), summed in
+// float32. q.k is exact per product (the inputs are bfloat16 already); the softmax
+// weights are rounded to bfloat16 for P . V, as GPU flash-attention kernels do.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace bf16dot {
+constexpr int MR = 8, NV = 2;  // 8 x 2 x 16 float32 accumulators
+static_assert(kColPad % (NV * 16) == 0 && kRowPad % MR == 0, "padding must fit the register blocks");
+
+// C[M, N] = alpha * A . B, or C += A . B when accumulating. A is [M, Kp] and B [Kp, N]
+// in 32-bit words, each word a pair of bfloat16 along the product's inner dimension
+// (A: [M, 2 Kp] bf16 row-major; B: [Kp, N, 2] bf16). M a multiple of MR, N of 32.
+void gemm(const std::uint32_t* A, std::int64_t lda, const std::uint32_t* B, std::int64_t ldb, float* C,
+          std::int64_t ldc, int M, int N, int Kp, bool accumulate, float alpha) {
+  for (int m0 = 0; m0 < M; m0 += MR) {
+    for (int n0 = 0; n0 < N; n0 += NV * 16) {
+      __m512 c[MR][NV];
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+          c[i][j] = accumulate ? _mm512_loadu_ps(C + (m0 + i) * ldc + n0 + j * 16) : _mm512_setzero_ps();
+      const std::uint32_t* a = A + m0 * lda;
+      const std::uint32_t* b = B + n0;
+      for (int k = 0; k < Kp; ++k, b += ldb) {
+        __m512bh bv[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + k]));
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], av, bv[j]);
+        }
+      }
+      const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+          _mm512_storeu_ps(C + (m0 + i) * ldc + n0 + j * 16, accumulate ? c[i][j] : _mm512_mul_ps(c[i][j], al));
+    }
+  }
+}
+
+// dst[i] = bfloat16(src[i]) (round to nearest even), n a multiple of 32.
+void to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)v);
+  }
+}
+}  // namespace bf16dot
+#pragma GCC pop_options
 #endif
 
 struct Kernels {
   void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int, bool);
   void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
+  // bfloat16 pair products; null where the CPU has no AVX512-BF16
+  void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*, std::int64_t,
+                    int, int, int, bool, float) = nullptr;
+  void (*to_bf16)(const float*, std::uint16_t*, std::int64_t) = nullptr;
 };
 
 Kernels pick_kernels() {
@@ -74,9 +139,12 @@ Kernels pick_kernels() {
   const auto allowed = [&](const char* name) { return !want || !*want || std::strcmp(want, name) == 0; };
 #ifdef PAGEDATTN_PREFILL_X86
   __builtin_cpu_init();
-  if (allowed("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
-    return {avx512::gemm, avx512::softmax_chunk};
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("fma");
+  if (allowed("avx512bf16") && avx512 && __builtin_cpu_supports("avx512bf16"))
+    return {avx512::gemm, avx512::softmax_chunk, bf16dot::gemm, bf16dot::to_bf16};
+  if ((allowed("avx512") || allowed("avx512bf16")) && avx512) return {avx512::gemm, avx512::softmax_chunk};
   if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {avx2::gemm, avx2::softmax_chunk};
 #endif
@@ -151,6 +219,13 @@ struct Scratch {
   std::vector<float> row_max, corr;
   std::vector<double> row_sum;
   std::vector<float> raw;    // one block of one head as float32, in cache order
+  // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
+  // inner dimension.
+  std::vector<std::uint32_t> qw;   // [Mp, D/2]: query pairs along D (unscaled)
+  std::vector<std::uint32_t> ktw;  // [D/2, NC]: key pairs along D, per key
+  std::vector<std::uint32_t> vw;   // [NC/2, Dp]: value pairs along the keys, per dim
+  std::vector<std::uint32_t> pw;   // [Mp, NC/2]: softmax weights, pairs along the keys
+  std::vector<std::uint16_t> raw16;  // one block of one head (or one row), as stored
   std::vector<std::int32_t> blocks;
 };
 
@@ -178,14 +253,23 @@ class TileTask {
         keys_(pos0_ + R_),
         ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
         x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
+        bf_(k.gemm_bf16 && p.dtype == DType::kBFloat16 && p.kv_cache_dtype == KVCacheDType::kAuto &&
+            p.head_size % 2 == 0),
         s_(scratch()) {}
 
   void run() {
     read_block_ids();
-    load_query();
     const auto mp = static_cast<std::size_t>(Mp_);
-    s_.kt.assign(static_cast<std::size_t>(D_) * NC_, 0.0f);
-    s_.v.assign(static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    if (bf_) {
+      load_query_bf16();
+      s_.ktw.assign(static_cast<std::size_t>(D_ / 2) * NC_, 0u);
+      s_.vw.assign(static_cast<std::size_t>(NC_ / 2) * Dp_, 0u);
+      s_.pw.resize(mp * (NC_ / 2));
+    } else {
+      load_query();
+      s_.kt.assign(static_cast<std::size_t>(D_) * NC_, 0.0f);
+      s_.v.assign(static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    }
     s_.s.resize(mp * NC_);
     s_.o32.assign(mp * Dp_, 0.0f);
     s_.o64.assign(mp * Dp_, 0.0);
@@ -197,12 +281,22 @@ class TileTask {
     int since_fold = 0;
     for (int k0 = 0; k0 < keys_; k0 += chunk_keys) {
       const int n = std::min(chunk_keys, keys_ - k0);
-      load_chunk(k0, n);
-      k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
+      if (bf_) {
+        load_chunk_bf16(k0, n);
+        k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false, p_.scale);
+      } else {
+        load_chunk(k0, n);
+        k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
+      }
       bias_and_mask(k0, n);
       k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
       rescale();
-      k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
+      if (bf_) {
+        k_.to_bf16(s_.s.data(), reinterpret_cast<std::uint16_t*>(s_.pw.data()), static_cast<std::int64_t>(Mp_) * NC_);
+        k_.gemm_bf16(s_.pw.data(), NC_ / 2, s_.vw.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_ / 2, true, 1.0f);
+      } else {
+        k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
+      }
       if (++since_fold == per_fold) {
         fold();
         since_fold = 0;
@@ -241,6 +335,78 @@ class TileTask {
         load_row(static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * elem, p_.dtype,
                  KVCacheDType::kAuto, 1.0f, D_, q);
         for (int d = 0; d < D_; ++d) q[d] *= p_.scale;
+      }
+    }
+  }
+
+  static std::uint32_t pair(std::uint16_t lo, std::uint16_t hi) {
+    return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+  }
+  // Sets the bfloat16 of key n (its half of the pair word) in a value word.
+  static void set_half(std::uint32_t& w, int n, std::uint16_t x) {
+    w = (n & 1) ? (w & 0xFFFFu) | (static_cast<std::uint32_t>(x) << 16) : (w & 0xFFFF0000u) | x;
+  }
+
+  void load_query_bf16() {
+    const int Dh = D_ / 2;
+    s_.qw.assign(static_cast<std::size_t>(Mp_) * Dh, 0u);
+    s_.raw16.resize(static_cast<std::size_t>(D_));
+    std::uint16_t* tmp = s_.raw16.data();
+    for (int r = 0; r < R_; ++r) {
+      const std::int64_t tok = t_.row0 + t_.j0 + r;
+      for (int g = 0; g < G_; ++g) {
+        const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
+        std::memcpy(tmp, static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * 2,
+                    sizeof(std::uint16_t) * static_cast<std::size_t>(D_));
+        std::uint32_t* q = s_.qw.data() + row(r * G_ + g) * Dh;
+        for (int i = 0; i < Dh; ++i) q[i] = pair(tmp[2 * i], tmp[2 * i + 1]);
+      }
+    }
+  }
+
+  // As load_chunk, for the bfloat16 pair-product path: keys into ktw [D/2, NC] (pairs
+  // along D), values into vw [NC/2, Dp] (pairs along the keys); bytes copied, not converted.
+  void load_chunk_bf16(int k0, int n) {
+    std::uint32_t* kt = s_.ktw.data();
+    std::uint32_t* v = s_.vw.data();
+    if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
+      std::fill(s_.ktw.begin(), s_.ktw.end(), 0u);
+      std::fill(s_.vw.begin(), s_.vw.end(), 0u);
+    }
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
+    s_.raw16.resize(static_cast<std::size_t>(head_elems));
+    std::uint16_t* raw = s_.raw16.data();
+    const std::size_t row_bytes = sizeof(std::uint16_t) * static_cast<std::size_t>(D_);
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const int nt = std::min(B_, n - c0);
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        std::memcpy(raw, kc + head * head_elems * 2, static_cast<std::size_t>(head_elems) * 2);  // [D/x][B][x]
+        for (int c = 0; c < D_ / x_; ++c)
+          for (int t = 0; t < nt; ++t) {
+            const std::uint16_t* e = raw + (static_cast<std::size_t>(c) * B_ + t) * x_;
+            for (int w = 0; w < x_ / 2; ++w)
+              kt[static_cast<std::size_t>(c * x_ / 2 + w) * NC_ + c0 + t] = pair(e[2 * w], e[2 * w + 1]);
+          }
+        std::memcpy(raw, vc + head * head_elems * 2, static_cast<std::size_t>(head_elems) * 2);  // [D][B]
+        for (int t = 0; t < nt; ++t) {
+          const int key = c0 + t;
+          std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+          for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[static_cast<std::size_t>(d) * B_ + t]);
+        }
+      } else {  // nhd [N][B][K][D]
+        for (int t = 0; t < nt; ++t) {
+          const int key = c0 + t;
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
+          std::memcpy(raw, kc + off, row_bytes);
+          for (int i = 0; i < D_ / 2; ++i) kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
+          std::memcpy(raw, vc + off, row_bytes);
+          std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+          for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[d]);
+        }
       }
     }
   }
@@ -289,10 +455,9 @@ class TileTask {
     }
   }
 
-  // ALiBi (slope[h] * (t - p)) and the causal mask: key t is visible to row m when
-  // t <= pos(m); that also hides the chunk's padding columns (t >= keys_ > pos(m)).
+  // ALiBi (slope[h] * (t - p)) and the mask: key k0 + c is visible to row m when
+  // c < n (a real key of the chunk, not padding) and k0 + c <= pos(m) (causal).
   void bias_and_mask(int k0, int n) {
-    const bool diagonal = k0 + NC_ - 1 > pos0_;
     for (int m = 0; m < Mp_; ++m) {
       float* s = s_.s.data() + row(m) * NC_;
       const int p = pos(m);
@@ -300,8 +465,8 @@ class TileTask {
         const float slope = p_.alibi_slopes[t_.kv_head * G_ + m % G_];
         for (int c = 0; c < n; ++c) s[c] += slope * static_cast<float>(k0 + c - p);
       }
-      if (diagonal)
-        for (int c = std::max(0, p - k0 + 1); c < NC_; ++c) s[c] = -INFINITY;
+      const int visible = std::max(0, std::min(n, p - k0 + 1));
+      std::fill(s + visible, s + NC_, -INFINITY);
     }
   }
 
@@ -326,7 +491,8 @@ class TileTask {
 
   void write_out() {
     const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
-    float* out_row = s_.raw.data();  // at least D floats
+    s_.raw.resize(std::max(s_.raw.size(), static_cast<std::size_t>(D_)));
+    float* out_row = s_.raw.data();
     for (int m = 0; m < M_; ++m) {
       const double inv = 1.0 / s_.row_sum[row(m)];
       const double* t = s_.o64.data() + row(m) * Dp_;
@@ -344,6 +510,7 @@ class TileTask {
   const int G_, D_, Dp_, B_, R_, M_, Mp_, chunk_blocks_, NC_, pos0_, keys_;
   const std::int64_t ce_;
   const int x_;
+  const bool bf_;  // bfloat16 pair products (see bf16dot)
   Scratch& s_;
 };
 
