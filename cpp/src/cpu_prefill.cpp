@@ -281,6 +281,9 @@ class TileTask {
     int since_fold = 0;
     for (int k0 = 0; k0 < keys_; k0 += chunk_keys) {
       const int n = std::min(chunk_keys, keys_ - k0);
+      // The next chunk's keys and values start coming in while this one is computed: the
+      // rows of a block table are scattered, so the hardware prefetchers do not see them.
+      if (k0 + chunk_keys < keys_) prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
       if (bf_) {
         load_chunk_bf16(k0, n);
         k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false, p_.scale);
@@ -339,6 +342,32 @@ class TileTask {
     }
   }
 
+  void prefetch_chunk(int k0, int n) const {
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_bytes = static_cast<std::int64_t>(D_) * B_ * ce_;
+    const std::int64_t row_bytes = static_cast<std::int64_t>(D_) * ce_;
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t off = (blk * p_.num_kv_heads + t_.kv_head) * head_bytes;
+        for (std::int64_t b = 0; b < head_bytes; b += 64) {
+          __builtin_prefetch(kc + off + b);
+          __builtin_prefetch(vc + off + b);
+        }
+      } else {
+        const int nt = std::min(B_, n - c0);
+        for (int t = 0; t < nt; ++t) {
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * row_bytes;
+          for (std::int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(kc + off + b);
+            __builtin_prefetch(vc + off + b);
+          }
+        }
+      }
+    }
+  }
+
   static std::uint32_t pair(std::uint16_t lo, std::uint16_t hi) {
     return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
   }
@@ -376,7 +405,7 @@ class TileTask {
     const char* kc = static_cast<const char*>(p_.key_cache);
     const char* vc = static_cast<const char*>(p_.value_cache);
     const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
-    s_.raw16.resize(static_cast<std::size_t>(head_elems));
+    s_.raw16.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, 2 * D_)));
     std::uint16_t* raw = s_.raw16.data();
     const std::size_t row_bytes = sizeof(std::uint16_t) * static_cast<std::size_t>(D_);
     for (int c0 = 0; c0 < n; c0 += B_) {
@@ -397,18 +426,34 @@ class TileTask {
           std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
           for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[static_cast<std::size_t>(d) * B_ + t]);
         }
-      } else {  // nhd [N][B][K][D]
+      } else {  // nhd [N][B][K][D]: keys here, values below in pairs of tokens
         for (int t = 0; t < nt; ++t) {
           const int key = c0 + t;
           const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
           std::memcpy(raw, kc + off, row_bytes);
           for (int i = 0; i < D_ / 2; ++i) kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
-          std::memcpy(raw, vc + off, row_bytes);
-          std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
-          for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[d]);
         }
       }
     }
+    if (p_.layout == CacheLayout::kNHD) {
+      std::uint16_t* r0 = raw;
+      std::uint16_t* r1 = raw + D_;
+      for (int key = 0; key < n; key += 2) {
+        std::memcpy(r0, vc + value_row(k0 + key), row_bytes);
+        if (key + 1 < n)
+          std::memcpy(r1, vc + value_row(k0 + key + 1), row_bytes);
+        else
+          std::memset(r1, 0, row_bytes);
+        std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+        for (int d = 0; d < D_; ++d) vr[d] = pair(r0[d], r1[d]);
+      }
+    }
+  }
+
+  // Byte offset of the nhd row of key `key` (of this sequence) in a cache.
+  std::int64_t value_row(int key) const {
+    const std::int64_t blk = s_.blocks[static_cast<std::size_t>(key / B_)];
+    return ((blk * B_ + key % B_) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
   }
 
   // Keys [k0, k0 + n) (whole blocks but maybe the last) into kt [D, NC] and v [NC, Dp];
