@@ -215,8 +215,9 @@ struct Scratch {
   std::vector<float> v;      // [NC, Dp]: the chunk's values
   std::vector<float> s;      // [Mp, NC]: logits, then probabilities
   std::vector<float> o32;    // [Mp, Dp]: float32 sum of at most kMergeKeys keys
-  std::vector<double> o64;   // [Mp, Dp]: float64 total
+  std::vector<double> o64;   // [Mp, Dp]: float64 total, relative to fold_max
   std::vector<float> row_max, corr;
+  std::vector<float> fold_max;  // [Mp]: the row max o64 was last scaled to
   std::vector<double> row_sum;
   std::vector<float> raw;    // one block of one head as float32, in cache order
   // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
@@ -274,6 +275,7 @@ class TileTask {
     s_.o32.assign(mp * Dp_, 0.0f);
     s_.o64.assign(mp * Dp_, 0.0);
     s_.row_max.assign(mp, -INFINITY);
+    s_.fold_max.assign(mp, -INFINITY);
     s_.row_sum.assign(mp, 0.0);
     s_.corr.resize(mp);
     const int chunk_keys = chunk_blocks_ * B_;
@@ -515,23 +517,38 @@ class TileTask {
     }
   }
 
-  // Rows whose max rose: their float32 and float64 output sums follow the new scale.
+  // Rows whose max rose: their float32 sum follows the new scale (the float64 total
+  // catches up when it is folded). corr = 0: the first finite chunk of the row (or a jump
+  // beyond float range): the sum restarts from 0.
   void rescale() {
     for (int m = 0; m < Mp_; ++m) {
       const float c = s_.corr[row(m)];
       if (c == 1.0f) continue;
       float* o = s_.o32.data() + row(m) * Dp_;
-      double* t = s_.o64.data() + row(m) * Dp_;
-      for (int d = 0; d < D_; ++d) {
-        o[d] *= c;
-        t[d] *= c;
+      if (c == 0.0f) {
+        std::fill(o, o + D_, 0.0f);
+      } else {
+        for (int d = 0; d < D_; ++d) o[d] *= c;
       }
     }
   }
 
+  // total = total * exp(fold max - row max) + the float32 sum, which restarts at 0.
   void fold() {
-    for (std::size_t i = 0; i < s_.o32.size(); ++i) s_.o64[i] += s_.o32[i];
-    std::fill(s_.o32.begin(), s_.o32.end(), 0.0f);
+    for (int m = 0; m < Mp_; ++m) {
+      const float now = s_.row_max[row(m)];
+      float& was = s_.fold_max[row(m)];
+      const double f = was == now ? 1.0 : std::exp(static_cast<double>(was) - static_cast<double>(now));
+      was = now;
+      double* t = s_.o64.data() + row(m) * Dp_;
+      float* o = s_.o32.data() + row(m) * Dp_;
+      if (f == 1.0) {
+        for (int d = 0; d < D_; ++d) t[d] += o[d];
+      } else {
+        for (int d = 0; d < D_; ++d) t[d] = t[d] * f + o[d];
+      }
+      std::fill(o, o + D_, 0.0f);
+    }
   }
 
   void write_out() {
