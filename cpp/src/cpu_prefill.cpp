@@ -3,8 +3,8 @@
 // Work is cut into tiles: up to kTileRows rows of one sequence and one KV head, where a
 // row is one (query token, query head of the KV head's group) pair, token-major. A tile
 // walks its keys in chunks of whole blocks (about kChunkKeys keys). Each chunk is read
-// from the paged cache and converted to float32 once for the whole tile, keys transposed
-// to [D, chunk] and values to [chunk, D], then
+// from the paged cache and converted once for the whole tile (to float32, or repacked as
+// bfloat16 pairs), keys transposed to [D, chunk] and values to [chunk, D], then
 //   S = (scale * Q) . K^T        one blocked matrix product over the tile's rows,
 //   causal mask (diagonal chunks only; chunks wholly above the diagonal are never read),
 //   online softmax in float32 (running max and sum per row),
@@ -12,8 +12,8 @@
 // O is summed in float32 over at most kMergeKeys keys and then folded into a float64
 // total (as the decode path does), so the error does not grow with the context length.
 // The matrix products and the exponentials are compiled for AVX-512, AVX2 + FMA and the
-// baseline, picked once at run time (PAGEDATTN_CPU_ISA=avx512bf16|avx512|avx2|generic narrows it); on
-// CPUs with AVX512-BF16, bfloat16 inputs take bf16 pair products (see bf16dot)..
+// baseline, picked once at run time (see pick_kernels); on CPUs with AVX512-BF16,
+// bfloat16 inputs take bfloat16 pair products (see bf16dot).
 //
 // A batch whose every sequence has one query row is the decode problem itself and goes
 // to the decode path, so it returns the decode call's numbers exactly.
@@ -109,16 +109,18 @@ void gemm(const std::uint32_t* A, std::int64_t lda, const std::uint32_t* B, std:
       for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j)
-          _mm512_storeu_ps(C + (m0 + i) * ldc + n0 + j * 16, accumulate ? c[i][j] : _mm512_mul_ps(c[i][j], al));
+          _mm512_storeu_ps(C + (m0 + i) * ldc + n0 + j * 16,
+                           accumulate ? c[i][j] : _mm512_mul_ps(c[i][j], al));
     }
   }
 }
 
-// dst[i] = bfloat16(src[i]) (round to nearest even), n a multiple of 32.
-void to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
+// Word i of dst = the pair (bfloat16(src[2i]), bfloat16(src[2i + 1])), rounded to
+// nearest even; n (floats) a multiple of 32.
+void to_bf16(const float* src, std::uint32_t* dst, std::int64_t n) {
   for (std::int64_t i = 0; i < n; i += 32) {
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-    _mm512_storeu_si512(dst + i, (__m512i)v);
+    _mm512_storeu_si512(dst + i / 2, (__m512i)v);
   }
 }
 }  // namespace bf16dot
@@ -126,26 +128,33 @@ void to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
 #endif
 
 struct Kernels {
-  void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int, bool);
+  void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int,
+               bool);
   void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
   // bfloat16 pair products; null where the CPU has no AVX512-BF16
-  void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*, std::int64_t,
-                    int, int, int, bool, float) = nullptr;
-  void (*to_bf16)(const float*, std::uint16_t*, std::int64_t) = nullptr;
+  void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*,
+                    std::int64_t, int, int, int, bool, float) = nullptr;
+  void (*to_bf16)(const float*, std::uint32_t*, std::int64_t) = nullptr;
 };
 
+// The best variant this CPU runs. PAGEDATTN_CPU_ISA (avx512bf16, avx512, avx2, generic)
+// caps the choice at that level, for tests and comparisons; another value is ignored.
 Kernels pick_kernels() {
-  const char* want = std::getenv("PAGEDATTN_CPU_ISA");
-  const auto allowed = [&](const char* name) { return !want || !*want || std::strcmp(want, name) == 0; };
+  const char* levels[] = {"avx512bf16", "avx512", "avx2", "generic"};
+  const char* env = std::getenv("PAGEDATTN_CPU_ISA");
+  int cap = 0;  // index into levels: the best level allowed
+  for (int i = 0; env && i < 4; ++i)
+    if (std::strcmp(env, levels[i]) == 0) cap = i;
+  const auto allowed = [&](int level) { return level >= cap; };
 #ifdef PAGEDATTN_PREFILL_X86
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
-  if (allowed("avx512bf16") && avx512 && __builtin_cpu_supports("avx512bf16"))
+  if (allowed(0) && avx512 && __builtin_cpu_supports("avx512bf16"))
     return {avx512::gemm, avx512::softmax_chunk, bf16dot::gemm, bf16dot::to_bf16};
-  if ((allowed("avx512") || allowed("avx512bf16")) && avx512) return {avx512::gemm, avx512::softmax_chunk};
-  if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (allowed(1) && avx512) return {avx512::gemm, avx512::softmax_chunk};
+  if (allowed(2) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {avx2::gemm, avx2::softmax_chunk};
 #endif
   (void)allowed;
@@ -163,10 +172,10 @@ const Kernels& kernels() {
 struct Tile {
   int seq;
   int kv_head;
-  int j0, j1;             // the tile's query rows of the sequence: [j0, j1) of its q rows
-  std::int64_t row0;      // query_start_loc[seq]
-  int q_len, seq_len;     // as read once for the whole call
-  std::int64_t cost;      // the sequence's seq_len x q_len: costly sequences go first
+  int j0, j1;          // the tile's query rows of the sequence: [j0, j1) of its q rows
+  std::int64_t row0;   // query_start_loc[seq]
+  int q_len, seq_len;  // as read once for the whole call
+  std::int64_t cost;   // the sequence's seq_len x q_len: costly sequences go first
 };
 
 // Reads query_start_loc and seq_lens once and checks them again (validation passed, but
@@ -184,7 +193,8 @@ std::vector<Tile> make_tiles(const DecodeParams& p, int tokens_per_tile) {
     const std::int32_t next = p.query_start_loc[s + 1];
     const std::int32_t len = p.seq_lens[s];
     if (len < 0 || len > max_len)
-      fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, ", max_len, "] (it changed while the call ran)");
+      fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, ", max_len,
+                       "] (it changed while the call ran)");
     if (next < start || next > p.num_tokens || next - start > len)
       fail<OutOfRange>("query_start_loc[", s + 1, "] = ", next, " does not give sequence ", s,
                        " between 0 and seq_lens = ", len, " rows within num_tokens = ", p.num_tokens,
@@ -210,22 +220,22 @@ std::vector<Tile> make_tiles(const DecodeParams& p, int tokens_per_tile) {
 // One tile.
 // ---------------------------------------------------------------------------------------
 struct Scratch {
-  std::vector<float> q;      // [Mp, D], pre-scaled; padding rows 0
-  std::vector<float> kt;     // [D, NC]: the chunk's keys, transposed
-  std::vector<float> v;      // [NC, Dp]: the chunk's values
-  std::vector<float> s;      // [Mp, NC]: logits, then probabilities
-  std::vector<float> o32;    // [Mp, Dp]: float32 sum of at most kMergeKeys keys
-  std::vector<double> o64;   // [Mp, Dp]: float64 total, relative to fold_max
+  std::vector<float> q;     // [Mp, D], pre-scaled; padding rows 0
+  std::vector<float> kt;    // [D, NC]: the chunk's keys, transposed
+  std::vector<float> v;     // [NC, Dp]: the chunk's values
+  std::vector<float> s;     // [Mp, NC]: logits, then probabilities
+  std::vector<float> o32;   // [Mp, Dp]: float32 sum of at most kMergeKeys keys
+  std::vector<double> o64;  // [Mp, Dp]: float64 total, relative to fold_max
   std::vector<float> row_max, corr;
   std::vector<float> fold_max;  // [Mp]: the row max o64 was last scaled to
   std::vector<double> row_sum;
-  std::vector<float> raw;    // one block of one head as float32, in cache order
+  std::vector<float> raw;  // one block of one head as float32, in cache order
   // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
   // inner dimension.
-  std::vector<std::uint32_t> qw;   // [Mp, D/2]: query pairs along D (unscaled)
-  std::vector<std::uint32_t> ktw;  // [D/2, NC]: key pairs along D, per key
-  std::vector<std::uint32_t> vw;   // [NC/2, Dp]: value pairs along the keys, per dim
-  std::vector<std::uint32_t> pw;   // [Mp, NC/2]: softmax weights, pairs along the keys
+  std::vector<std::uint32_t> qw;     // [Mp, D/2]: query pairs along D (unscaled)
+  std::vector<std::uint32_t> ktw;    // [D/2, NC]: key pairs along D, per key
+  std::vector<std::uint32_t> vw;     // [NC/2, Dp]: value pairs along the keys, per dim
+  std::vector<std::uint32_t> pw;     // [Mp, NC/2]: softmax weights, pairs along the keys
   std::vector<std::uint16_t> raw16;  // one block of one head (or one row), as stored
   std::vector<std::int32_t> blocks;
 };
@@ -285,10 +295,12 @@ class TileTask {
       const int n = std::min(chunk_keys, keys_ - k0);
       // The next chunk's keys and values start coming in while this one is computed: the
       // rows of a block table are scattered, so the hardware prefetchers do not see them.
-      if (k0 + chunk_keys < keys_) prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
+      if (k0 + chunk_keys < keys_)
+        prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
       if (bf_) {
         load_chunk_bf16(k0, n);
-        k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false, p_.scale);
+        k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false,
+                     p_.scale);
       } else {
         load_chunk(k0, n);
         k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
@@ -297,8 +309,9 @@ class TileTask {
       k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
       rescale();
       if (bf_) {
-        k_.to_bf16(s_.s.data(), reinterpret_cast<std::uint16_t*>(s_.pw.data()), static_cast<std::int64_t>(Mp_) * NC_);
-        k_.gemm_bf16(s_.pw.data(), NC_ / 2, s_.vw.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_ / 2, true, 1.0f);
+        k_.to_bf16(s_.s.data(), s_.pw.data(), static_cast<std::int64_t>(Mp_) * NC_);
+        k_.gemm_bf16(s_.pw.data(), NC_ / 2, s_.vw.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_ / 2, true,
+                     1.0f);
       } else {
         k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
       }
@@ -323,8 +336,8 @@ class TileTask {
     for (int b = 0; b < nb; ++b) {
       const std::int32_t id = row[b];
       if (id < 0 || id >= p_.num_blocks)
-        fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id, " is outside [0, num_blocks = ", p_.num_blocks,
-                         ") (it changed while the call ran)");
+        fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id,
+                         " is outside [0, num_blocks = ", p_.num_blocks, ") (it changed while the call ran)");
       s_.blocks[static_cast<std::size_t>(b)] = id;
     }
   }
@@ -337,8 +350,8 @@ class TileTask {
       for (int g = 0; g < G_; ++g) {
         const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
         float* q = s_.q.data() + row(r * G_ + g) * D_;
-        load_row(static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * elem, p_.dtype,
-                 KVCacheDType::kAuto, 1.0f, D_, q);
+        load_row(static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * elem,
+                 p_.dtype, KVCacheDType::kAuto, 1.0f, D_, q);
         for (int d = 0; d < D_; ++d) q[d] *= p_.scale;
       }
     }
@@ -387,7 +400,8 @@ class TileTask {
       const std::int64_t tok = t_.row0 + t_.j0 + r;
       for (int g = 0; g < G_; ++g) {
         const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
-        std::memcpy(tmp, static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * 2,
+        std::memcpy(tmp,
+                    static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * 2,
                     sizeof(std::uint16_t) * static_cast<std::size_t>(D_));
         std::uint32_t* q = s_.qw.data() + row(r * G_ + g) * Dh;
         for (int i = 0; i < Dh; ++i) q[i] = pair(tmp[2 * i], tmp[2 * i + 1]);
@@ -415,7 +429,8 @@ class TileTask {
       const int nt = std::min(B_, n - c0);
       if (p_.layout == CacheLayout::kVLLM) {
         const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
-        std::memcpy(raw, kc + head * head_elems * 2, static_cast<std::size_t>(head_elems) * 2);  // [D/x][B][x]
+        std::memcpy(raw, kc + head * head_elems * 2,
+                    static_cast<std::size_t>(head_elems) * 2);  // [D/x][B][x]
         for (int c = 0; c < D_ / x_; ++c)
           for (int t = 0; t < nt; ++t) {
             const std::uint16_t* e = raw + (static_cast<std::size_t>(c) * B_ + t) * x_;
@@ -433,7 +448,8 @@ class TileTask {
           const int key = c0 + t;
           const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
           std::memcpy(raw, kc + off, row_bytes);
-          for (int i = 0; i < D_ / 2; ++i) kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
+          for (int i = 0; i < D_ / 2; ++i)
+            kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
         }
       }
     }
@@ -474,15 +490,16 @@ class TileTask {
       if (p_.layout == CacheLayout::kVLLM) {
         const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
         // keys [D/x][B][x]: converted whole (slots past nt are converted, never used)
-        load_row(kc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.k_scale, static_cast<int>(head_elems),
-                 raw);
+        load_row(kc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.k_scale,
+                 static_cast<int>(head_elems), raw);
         for (int c = 0; c < D_ / x_; ++c)
           for (int t = 0; t < nt; ++t)
             for (int i = 0; i < x_; ++i)
-              kt[static_cast<std::size_t>(c * x_ + i) * NC_ + c0 + t] = raw[(static_cast<std::size_t>(c) * B_ + t) * x_ + i];
+              kt[static_cast<std::size_t>(c * x_ + i) * NC_ + c0 + t] =
+                  raw[(static_cast<std::size_t>(c) * B_ + t) * x_ + i];
         // values [D][B]
-        load_row(vc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.v_scale, static_cast<int>(head_elems),
-                 raw);
+        load_row(vc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.v_scale,
+                 static_cast<int>(head_elems), raw);
         for (int t = 0; t < nt; ++t) {
           float* vr = v + static_cast<std::size_t>(c0 + t) * Dp_;
           for (int d = 0; d < D_; ++d) vr[d] = raw[static_cast<std::size_t>(d) * B_ + t];
@@ -492,12 +509,14 @@ class TileTask {
           const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * ce_;
           load_row(kc + off, p_.dtype, p_.kv_cache_dtype, p_.k_scale, D_, raw);
           for (int d = 0; d < D_; ++d) kt[static_cast<std::size_t>(d) * NC_ + c0 + t] = raw[d];
-          load_row(vc + off, p_.dtype, p_.kv_cache_dtype, p_.v_scale, D_, v + static_cast<std::size_t>(c0 + t) * Dp_);
+          load_row(vc + off, p_.dtype, p_.kv_cache_dtype, p_.v_scale, D_,
+                   v + static_cast<std::size_t>(c0 + t) * Dp_);
         }
       }
     }
     if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
-      for (int d = 0; d < D_; ++d) std::fill(kt + static_cast<std::size_t>(d) * NC_ + n, kt + (d + 1) * NC_, 0.0f);
+      for (int d = 0; d < D_; ++d)
+        std::fill(kt + static_cast<std::size_t>(d) * NC_ + n, kt + (d + 1) * NC_, 0.0f);
       std::fill(v + static_cast<std::size_t>(n) * Dp_, v + static_cast<std::size_t>(NC_) * Dp_, 0.0f);
     }
   }

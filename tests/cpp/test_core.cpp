@@ -299,7 +299,8 @@ PA_TEST(cpu_varlen_matches_double_causal_reference) {
   opt.query_start_loc = make_view(qsl_buf.data(), DType::kInt32, {p.S + 1});
   opt.max_query_len = 13;
   TensorView qv = make_view(q.data(), DType::kFloat32, {T, p.H, p.D});
-  paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(), p.lv(), opt);
+  paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(), p.lv(),
+                  opt);
   for (int s = 0; s < p.S; ++s) {
     const int L = p.lens[static_cast<size_t>(s)], lo = qsl[static_cast<size_t>(s)];
     const int n = qsl[static_cast<size_t>(s + 1)] - lo;
@@ -314,7 +315,8 @@ PA_TEST(cpu_varlen_matches_double_causal_reference) {
           const int blk = p.bt[static_cast<size_t>(s * p.M + t / p.B)];
           double acc = 0;
           for (int e = 0; e < p.D; ++e)
-            acc += static_cast<double>(qr[e]) * p.kc[static_cast<size_t>(((blk * p.B + t % p.B) * p.K + kh) * p.D + e)];
+            acc += static_cast<double>(qr[e]) *
+                   p.kc[static_cast<size_t>(((blk * p.B + t % p.B) * p.K + kh) * p.D + e)];
           logit[static_cast<size_t>(t)] = acc / std::sqrt(static_cast<double>(p.D));
           mx = std::max(mx, logit[static_cast<size_t>(t)]);
         }
@@ -329,7 +331,8 @@ PA_TEST(cpu_varlen_matches_double_causal_reference) {
           const double want = o / sum;
           const double got = out[static_cast<size_t>(((lo + j) * p.H + h) * p.D + d)];
           if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
-            PA_FAIL_AT("row " << lo + j << " head " << h << " dim " << d << ": " << got << ", expected " << want);
+            PA_FAIL_AT("row " << lo + j << " head " << h << " dim " << d << ": " << got << ", expected "
+                              << want);
         }
       }
     }
@@ -337,16 +340,16 @@ PA_TEST(cpu_varlen_matches_double_causal_reference) {
   // Bad contents are typed errors: decreasing offsets, a query longer than its sequence,
   // a max_query_len below a sequence's rows.
   qsl_buf = {0, 3, 2, 15};
-  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(),
-                                  p.lv(), opt),
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
                   InvalidArgument);
   qsl_buf = {0, 0, 6, 15};  // 6 rows of a 5-token sequence
-  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(),
-                                  p.lv(), opt),
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
                   InvalidArgument);
   qsl_buf = qsl;
   opt.max_query_len = 12;
-  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(),
-                                  p.lv(), opt),
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
                   InvalidArgument);
 }

@@ -230,7 +230,8 @@ def test_matches_dense_causal_attention(rng):
     t = np.arange(n)
     pagedattn.reshape_and_cache(keys, values, kc, vc, table[0, t // b].astype(np.int64) * b + t % b)
     q = rng.standard_normal((n, h, d)).astype(np.float32)
-    out = pagedattn.paged_attention(q, kc, vc, table, np.array([n], np.int32), query_start_loc=np.array([0, n], np.int32))
+    lens, qsl = np.array([n], np.int32), np.array([0, n], np.int32)
+    out = pagedattn.paged_attention(q, kc, vc, table, lens, query_start_loc=qsl)
     ref = causal_attention(q.astype(np.float64), keys.astype(np.float64), values.astype(np.float64), 1 / np.sqrt(d))
     assert_close(out, ref, np.float32)
 

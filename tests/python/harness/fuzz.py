@@ -1938,8 +1938,12 @@ def fuzz_varlen(d: Draw) -> Outcome:
         prepared = _call_valid(label, lambda: pagedattn.prepare_decode(*p.args(), query_start_loc=qsl, **kw))
         for _ in range(d.int(1, 3)):
             if S and d.bool():
-                what, bad, expected = d.choice([m for m in _qsl_mutations(d, p, qsl) if m[1].shape == qsl.shape
-                                                and m[1].dtype == qsl.dtype and m[1].flags.c_contiguous])
+                same_layout = [
+                    m
+                    for m in _qsl_mutations(d, p, qsl)
+                    if m[1].shape == qsl.shape and m[1].dtype == qsl.dtype and m[1].flags.c_contiguous
+                ]
+                what, bad, expected = d.choice(same_layout)
                 good = qsl.copy()
                 qsl[...] = bad
                 _expect_error(f"{label}: {what} after preparing", prepared.run, expected)
