@@ -92,10 +92,14 @@ def test_any_head_and_block_size_nhd(rng, head_size, block_size):
         check(p, qsl, dtype)
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 32, 64, 256])
+@pytest.mark.parametrize("block_size", [1, 3, 8, 32, 64, 256])
 def test_block_sizes_vllm(rng, block_size):
-    p, qsl = make_varlen(rng, [300, 65], [130, 65], num_heads=4, num_kv_heads=1, head_size=32, block_size=block_size)
-    check(p, qsl, np.float32)
+    """Blocks smaller than, equal to and larger than a key chunk; an odd size splits the
+    bfloat16 path's key pairs across blocks."""
+    for dtype in DTYPES:
+        p, qsl = make_varlen(rng, [300, 65], [130, 65], num_heads=4, num_kv_heads=1, head_size=32,
+                             block_size=block_size, dtype=dtype)  # fmt: skip
+        check(p, qsl, dtype)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
