@@ -1,93 +1,623 @@
 // CPU paged attention, varlen form (chunked prefill and mixed batches).
 //
-// One task per (sequence, KV head): the sequence's keys and values of that head are read
-// from the paged cache once into float32 rows, then every query row of every query head
-// of the group is served from them with a numerically stable softmax in float32.
+// Work is cut into tiles: up to kTileRows rows of one sequence and one KV head, where a
+// row is one (query token, query head of the KV head's group) pair, token-major. A tile
+// walks its keys in chunks of whole blocks (about kChunkKeys keys). Each chunk is read
+// from the paged cache and converted once for the whole tile (to float32, or repacked as
+// bfloat16 pairs), keys transposed to [D, chunk] and values to [chunk, D], then
+//   S = (scale * Q) . K^T        one blocked matrix product over the tile's rows,
+//   causal mask (diagonal chunks only; chunks wholly above the diagonal are never read),
+//   online softmax in float32 (running max and sum per row),
+//   O += P . V                   a second blocked matrix product.
+// O is summed in float32 over at most kMergeKeys keys and then folded into a float64
+// total (as the decode path does), so the error does not grow with the context length.
+// The matrix products and the exponentials are compiled for AVX-512, AVX2 + FMA and the
+// baseline, picked once at run time (see pick_kernels); on CPUs with AVX512-BF16,
+// bfloat16 inputs take bfloat16 pair products (see bf16dot).
+//
+// A batch whose every sequence has one query row is the decode problem itself and goes
+// to the decode path, so it returns the decode call's numbers exactly.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
+#include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PAGEDATTN_NO_MULTIVERSION)
+#define PAGEDATTN_PREFILL_X86 1
+#include <immintrin.h>
+#endif
 
 namespace pagedattn::cpu {
 namespace {
 
-// Reads tokens [0, len) of KV head kh of sequence s into k / v ([len, D] float32).
-void gather_kv(const DecodeParams& p, std::int64_t s, int kh, int len, float* k, float* v) {
-  const int D = p.head_size, B = p.block_size, K = p.num_kv_heads;
-  const std::size_t es = cache_elem_size(p.dtype, p.kv_cache_dtype);
-  const int x = static_cast<int>(16 / es);
-  const auto* kc = static_cast<const char*>(p.key_cache);
-  const auto* vc = static_cast<const char*>(p.value_cache);
-  const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
-  for (int t = 0; t < len; ++t) {
-    const std::int64_t blk = row[t / B];
-    const int off = t % B;
-    float* kt = k + static_cast<std::size_t>(t) * D;
-    float* vt = v + static_cast<std::size_t>(t) * D;
-    if (p.layout == CacheLayout::kNHD) {
-      const std::int64_t base = ((blk * B + off) * K + kh) * D;
-      load_row(kc + base * es, p.dtype, p.kv_cache_dtype, p.k_scale, D, kt);
-      load_row(vc + base * es, p.dtype, p.kv_cache_dtype, p.v_scale, D, vt);
-    } else {
-      const std::int64_t head = blk * K + kh;
-      for (int c = 0; c < D / x; ++c)
-        load_row(kc + ((head * (D / x) + c) * B + off) * x * es, p.dtype, p.kv_cache_dtype, p.k_scale, x,
-                 kt + c * x);
-      for (int d = 0; d < D; ++d)
-        load_row(vc + ((head * D + d) * B + off) * es, p.dtype, p.kv_cache_dtype, p.v_scale, 1, vt + d);
+constexpr int kTileRows = 256;   // rows (tokens x group heads) per tile, at least one token
+constexpr int kChunkKeys = 64;   // keys per chunk, rounded down to whole blocks (at least one)
+constexpr int kMergeKeys = 256;  // keys summed in float32 before folding into float64
+constexpr int kColPad = 32;      // key-chunk and head-size columns are padded to this
+constexpr int kRowPad = 8;       // tile rows are padded to this
+
+constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------
+// Inner loops, one copy per instruction set (see cpu_prefill_kernels.inc).
+// ---------------------------------------------------------------------------------------
+namespace generic {
+constexpr int VW = 8, MR = 4;
+#include "cpu_prefill_kernels.inc"
+}  // namespace generic
+
+#ifdef PAGEDATTN_PREFILL_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+constexpr int VW = 8, MR = 4;
+#include "cpu_prefill_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+constexpr int VW = 16, MR = 8;
+#include "cpu_prefill_kernels.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+// bfloat16 inputs on CPUs with AVX512-BF16: the products run as bf16 pair dot products
+// (vdpbf16ps: 32 multiply-adds per instruction, twice the float32 rate), summed in
+// float32. q.k is exact per product (the inputs are bfloat16 already); the softmax
+// weights are rounded to bfloat16 for P . V, as GPU flash-attention kernels do.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace bf16dot {
+constexpr int MR = 8, NV = 2;  // 8 x 2 x 16 float32 accumulators
+static_assert(kColPad % (NV * 16) == 0 && kRowPad % MR == 0, "padding must fit the register blocks");
+
+// C[M, N] = alpha * A . B, or C += A . B when accumulating. A is [M, Kp] and B [Kp, N]
+// in 32-bit words, each word a pair of bfloat16 along the product's inner dimension
+// (A: [M, 2 Kp] bf16 row-major; B: [Kp, N, 2] bf16). M a multiple of MR, N of 32.
+void gemm(const std::uint32_t* A, std::int64_t lda, const std::uint32_t* B, std::int64_t ldb, float* C,
+          std::int64_t ldc, int M, int N, int Kp, bool accumulate, float alpha) {
+  for (int m0 = 0; m0 < M; m0 += MR) {
+    for (int n0 = 0; n0 < N; n0 += NV * 16) {
+      __m512 c[MR][NV];
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+          c[i][j] = accumulate ? _mm512_loadu_ps(C + (m0 + i) * ldc + n0 + j * 16) : _mm512_setzero_ps();
+      const std::uint32_t* a = A + m0 * lda;
+      const std::uint32_t* b = B + n0;
+      for (int k = 0; k < Kp; ++k, b += ldb) {
+        __m512bh bv[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + k]));
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], av, bv[j]);
+        }
+      }
+      const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+          _mm512_storeu_ps(C + (m0 + i) * ldc + n0 + j * 16,
+                           accumulate ? c[i][j] : _mm512_mul_ps(c[i][j], al));
     }
   }
+}
+
+// Word i of dst = the pair (bfloat16(src[2i]), bfloat16(src[2i + 1])), rounded to
+// nearest even; n (floats) a multiple of 32.
+void to_bf16(const float* src, std::uint32_t* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i / 2, (__m512i)v);
+  }
+}
+}  // namespace bf16dot
+#pragma GCC pop_options
+#endif
+
+struct Kernels {
+  void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int,
+               bool);
+  void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
+  // bfloat16 pair products; null where the CPU has no AVX512-BF16
+  void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*,
+                    std::int64_t, int, int, int, bool, float) = nullptr;
+  void (*to_bf16)(const float*, std::uint32_t*, std::int64_t) = nullptr;
+};
+
+// The best variant this CPU runs. PAGEDATTN_CPU_ISA (avx512bf16, avx512, avx2, generic)
+// caps the choice at that level, for tests and comparisons; another value is ignored.
+Kernels pick_kernels() {
+  const char* levels[] = {"avx512bf16", "avx512", "avx2", "generic"};
+  const char* env = std::getenv("PAGEDATTN_CPU_ISA");
+  int cap = 0;  // index into levels: the best level allowed
+  for (int i = 0; env && i < 4; ++i)
+    if (std::strcmp(env, levels[i]) == 0) cap = i;
+  const auto allowed = [&](int level) { return level >= cap; };
+#ifdef PAGEDATTN_PREFILL_X86
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("fma");
+  if (allowed(0) && avx512 && __builtin_cpu_supports("avx512bf16"))
+    return {avx512::gemm, avx512::softmax_chunk, bf16dot::gemm, bf16dot::to_bf16};
+  if (allowed(1) && avx512) return {avx512::gemm, avx512::softmax_chunk};
+  if (allowed(2) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {avx2::gemm, avx2::softmax_chunk};
+#endif
+  (void)allowed;
+  return {generic::gemm, generic::softmax_chunk};
+}
+
+const Kernels& kernels() {
+  static const Kernels k = pick_kernels();
+  return k;
+}
+
+// ---------------------------------------------------------------------------------------
+// The work list.
+// ---------------------------------------------------------------------------------------
+struct Tile {
+  int seq;
+  int kv_head;
+  int j0, j1;          // the tile's query rows of the sequence: [j0, j1) of its q rows
+  std::int64_t row0;   // query_start_loc[seq]
+  int q_len, seq_len;  // as read once for the whole call
+  std::int64_t cost;   // the sequence's seq_len x q_len: costly sequences go first
+};
+
+// Reads query_start_loc and seq_lens once and checks them again (validation passed, but
+// the caller's memory may change while the call runs: a change must give an error, never
+// an access out of bounds), then cuts every sequence into tiles. Tiles of one sequence
+// and KV head stay together (they read the same keys and values, which then stay in
+// cache); the most costly sequences go first so the pool's threads finish together.
+std::vector<Tile> make_tiles(const DecodeParams& p, int tokens_per_tile) {
+  const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
+  std::vector<Tile> tiles;
+  std::int32_t start = p.query_start_loc[0];
+  if (start != 0)
+    fail<OutOfRange>("query_start_loc[0] = ", start, " is not 0 (it changed while the call ran)");
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const std::int32_t next = p.query_start_loc[s + 1];
+    const std::int32_t len = p.seq_lens[s];
+    if (len < 0 || len > max_len)
+      fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, ", max_len,
+                       "] (it changed while the call ran)");
+    if (next < start || next > p.num_tokens || next - start > len)
+      fail<OutOfRange>("query_start_loc[", s + 1, "] = ", next, " does not give sequence ", s,
+                       " between 0 and seq_lens = ", len, " rows within num_tokens = ", p.num_tokens,
+                       " (it changed while the call ran)");
+    const int q = next - start;
+    // Later rows see more keys: a group's tiles run last row first.
+    for (int kh = 0; kh < p.num_kv_heads; ++kh) {
+      for (int j1 = q; j1 > 0; j1 -= tokens_per_tile) {
+        const int j0 = std::max(0, j1 - tokens_per_tile);
+        tiles.push_back({s, kh, j0, j1, start, q, len, static_cast<std::int64_t>(len) * q});
+      }
+    }
+    start = next;
+  }
+  if (start != p.num_tokens)
+    fail<OutOfRange>("query_start_loc[", p.num_seqs, "] = ", start, " is not num_tokens = ", p.num_tokens,
+                     " (it changed while the call ran)");
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  return tiles;
+}
+
+// ---------------------------------------------------------------------------------------
+// One tile.
+// ---------------------------------------------------------------------------------------
+struct Scratch {
+  std::vector<float> q;     // [Mp, D], pre-scaled; padding rows 0
+  std::vector<float> kt;    // [D, NC]: the chunk's keys, transposed
+  std::vector<float> v;     // [NC, Dp]: the chunk's values
+  std::vector<float> s;     // [Mp, NC]: logits, then probabilities
+  std::vector<float> o32;   // [Mp, Dp]: float32 sum of at most kMergeKeys keys
+  std::vector<double> o64;  // [Mp, Dp]: float64 total, relative to fold_max
+  std::vector<float> row_max, corr;
+  std::vector<float> fold_max;  // [Mp]: the row max o64 was last scaled to
+  std::vector<double> row_sum;
+  std::vector<float> raw;  // one block of one head as float32, in cache order
+  // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
+  // inner dimension.
+  std::vector<std::uint32_t> qw;     // [Mp, D/2]: query pairs along D (unscaled)
+  std::vector<std::uint32_t> ktw;    // [D/2, NC]: key pairs along D, per key
+  std::vector<std::uint32_t> vw;     // [NC/2, Dp]: value pairs along the keys, per dim
+  std::vector<std::uint32_t> pw;     // [Mp, NC/2]: softmax weights, pairs along the keys
+  std::vector<std::uint16_t> raw16;  // one block of one head (or one row), as stored
+  std::vector<std::int32_t> blocks;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+class TileTask {
+ public:
+  TileTask(const DecodeParams& p, const Tile& t, const Kernels& k)
+      : p_(p),
+        t_(t),
+        k_(k),
+        G_(p.num_heads / p.num_kv_heads),
+        D_(p.head_size),
+        Dp_(static_cast<int>(round_up(p.head_size, kColPad))),
+        B_(p.block_size),
+        R_(t.j1 - t.j0),
+        M_(R_ * G_),
+        Mp_(static_cast<int>(round_up(M_, kRowPad))),
+        chunk_blocks_(std::max(1, kChunkKeys / p.block_size)),
+        NC_(static_cast<int>(round_up(static_cast<std::int64_t>(chunk_blocks_) * p.block_size, kColPad))),
+        pos0_(t.seq_len - t.q_len + t.j0),
+        keys_(pos0_ + R_),
+        ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
+        x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
+        bf_(k.gemm_bf16 && p.dtype == DType::kBFloat16 && p.kv_cache_dtype == KVCacheDType::kAuto &&
+            p.head_size % 2 == 0),
+        s_(scratch()) {}
+
+  void run() {
+    read_block_ids();
+    const auto mp = static_cast<std::size_t>(Mp_);
+    if (bf_) {
+      load_query_bf16();
+      s_.ktw.assign(static_cast<std::size_t>(D_ / 2) * NC_, 0u);
+      s_.vw.assign(static_cast<std::size_t>(NC_ / 2) * Dp_, 0u);
+      s_.pw.resize(mp * (NC_ / 2));
+    } else {
+      load_query();
+      s_.kt.assign(static_cast<std::size_t>(D_) * NC_, 0.0f);
+      s_.v.assign(static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    }
+    s_.s.resize(mp * NC_);
+    s_.o32.assign(mp * Dp_, 0.0f);
+    s_.o64.assign(mp * Dp_, 0.0);
+    s_.row_max.assign(mp, -INFINITY);
+    s_.fold_max.assign(mp, -INFINITY);
+    s_.row_sum.assign(mp, 0.0);
+    s_.corr.resize(mp);
+    const int chunk_keys = chunk_blocks_ * B_;
+    const int per_fold = std::max(1, kMergeKeys / chunk_keys);
+    int since_fold = 0;
+    for (int k0 = 0; k0 < keys_; k0 += chunk_keys) {
+      const int n = std::min(chunk_keys, keys_ - k0);
+      // The next chunk's keys and values start coming in while this one is computed: the
+      // rows of a block table are scattered, so the hardware prefetchers do not see them.
+      if (k0 + chunk_keys < keys_)
+        prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
+      if (bf_) {
+        load_chunk_bf16(k0, n);
+        k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false,
+                     p_.scale);
+      } else {
+        load_chunk(k0, n);
+        k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
+      }
+      bias_and_mask(k0, n);
+      k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
+      rescale();
+      if (bf_) {
+        k_.to_bf16(s_.s.data(), s_.pw.data(), static_cast<std::int64_t>(Mp_) * NC_);
+        k_.gemm_bf16(s_.pw.data(), NC_ / 2, s_.vw.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_ / 2, true,
+                     1.0f);
+      } else {
+        k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
+      }
+      if (++since_fold == per_fold) {
+        fold();
+        since_fold = 0;
+      }
+    }
+    fold();
+    write_out();
+  }
+
+ private:
+  std::size_t row(int m) const { return static_cast<std::size_t>(m); }
+  // Position of tile row m (token-major: m = r * G + g); padding rows take the last one.
+  int pos(int m) const { return pos0_ + std::min(m / G_, R_ - 1); }
+
+  void read_block_ids() {
+    const int nb = keys_ / B_ + (keys_ % B_ != 0);
+    const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(t_.seq) * p_.max_blocks_per_seq;
+    s_.blocks.resize(static_cast<std::size_t>(nb));
+    for (int b = 0; b < nb; ++b) {
+      const std::int32_t id = row[b];
+      if (id < 0 || id >= p_.num_blocks)
+        fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id,
+                         " is outside [0, num_blocks = ", p_.num_blocks, ") (it changed while the call ran)");
+      s_.blocks[static_cast<std::size_t>(b)] = id;
+    }
+  }
+
+  void load_query() {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    s_.q.assign(static_cast<std::size_t>(Mp_) * D_, 0.0f);
+    for (int r = 0; r < R_; ++r) {
+      const std::int64_t tok = t_.row0 + t_.j0 + r;
+      for (int g = 0; g < G_; ++g) {
+        const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
+        float* q = s_.q.data() + row(r * G_ + g) * D_;
+        load_row(static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * elem,
+                 p_.dtype, KVCacheDType::kAuto, 1.0f, D_, q);
+        for (int d = 0; d < D_; ++d) q[d] *= p_.scale;
+      }
+    }
+  }
+
+  void prefetch_chunk(int k0, int n) const {
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_bytes = static_cast<std::int64_t>(D_) * B_ * ce_;
+    const std::int64_t row_bytes = static_cast<std::int64_t>(D_) * ce_;
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t off = (blk * p_.num_kv_heads + t_.kv_head) * head_bytes;
+        for (std::int64_t b = 0; b < head_bytes; b += 64) {
+          __builtin_prefetch(kc + off + b);
+          __builtin_prefetch(vc + off + b);
+        }
+      } else {
+        const int nt = std::min(B_, n - c0);
+        for (int t = 0; t < nt; ++t) {
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * row_bytes;
+          for (std::int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(kc + off + b);
+            __builtin_prefetch(vc + off + b);
+          }
+        }
+      }
+    }
+  }
+
+  static std::uint32_t pair(std::uint16_t lo, std::uint16_t hi) {
+    return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+  }
+  // Sets the bfloat16 of key n (its half of the pair word) in a value word.
+  static void set_half(std::uint32_t& w, int n, std::uint16_t x) {
+    w = (n & 1) ? (w & 0xFFFFu) | (static_cast<std::uint32_t>(x) << 16) : (w & 0xFFFF0000u) | x;
+  }
+
+  void load_query_bf16() {
+    const int Dh = D_ / 2;
+    s_.qw.assign(static_cast<std::size_t>(Mp_) * Dh, 0u);
+    s_.raw16.resize(static_cast<std::size_t>(D_));
+    std::uint16_t* tmp = s_.raw16.data();
+    for (int r = 0; r < R_; ++r) {
+      const std::int64_t tok = t_.row0 + t_.j0 + r;
+      for (int g = 0; g < G_; ++g) {
+        const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + g;
+        std::memcpy(tmp,
+                    static_cast<const char*>(p_.query) + (tok * p_.q_stride_seq + h * p_.q_stride_head) * 2,
+                    sizeof(std::uint16_t) * static_cast<std::size_t>(D_));
+        std::uint32_t* q = s_.qw.data() + row(r * G_ + g) * Dh;
+        for (int i = 0; i < Dh; ++i) q[i] = pair(tmp[2 * i], tmp[2 * i + 1]);
+      }
+    }
+  }
+
+  // As load_chunk, for the bfloat16 pair-product path: keys into ktw [D/2, NC] (pairs
+  // along D), values into vw [NC/2, Dp] (pairs along the keys); bytes copied, not converted.
+  void load_chunk_bf16(int k0, int n) {
+    std::uint32_t* kt = s_.ktw.data();
+    std::uint32_t* v = s_.vw.data();
+    if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
+      std::fill(s_.ktw.begin(), s_.ktw.end(), 0u);
+      std::fill(s_.vw.begin(), s_.vw.end(), 0u);
+    }
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
+    s_.raw16.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, 2 * D_)));
+    std::uint16_t* raw = s_.raw16.data();
+    const std::size_t row_bytes = sizeof(std::uint16_t) * static_cast<std::size_t>(D_);
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const int nt = std::min(B_, n - c0);
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        std::memcpy(raw, kc + head * head_elems * 2,
+                    static_cast<std::size_t>(head_elems) * 2);  // [D/x][B][x]
+        for (int c = 0; c < D_ / x_; ++c)
+          for (int t = 0; t < nt; ++t) {
+            const std::uint16_t* e = raw + (static_cast<std::size_t>(c) * B_ + t) * x_;
+            for (int w = 0; w < x_ / 2; ++w)
+              kt[static_cast<std::size_t>(c * x_ / 2 + w) * NC_ + c0 + t] = pair(e[2 * w], e[2 * w + 1]);
+          }
+        std::memcpy(raw, vc + head * head_elems * 2, static_cast<std::size_t>(head_elems) * 2);  // [D][B]
+        for (int t = 0; t < nt; ++t) {
+          const int key = c0 + t;
+          std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+          for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[static_cast<std::size_t>(d) * B_ + t]);
+        }
+      } else {  // nhd [N][B][K][D]: keys here, values below in pairs of tokens
+        for (int t = 0; t < nt; ++t) {
+          const int key = c0 + t;
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
+          std::memcpy(raw, kc + off, row_bytes);
+          for (int i = 0; i < D_ / 2; ++i)
+            kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
+        }
+      }
+    }
+    if (p_.layout == CacheLayout::kNHD) {
+      std::uint16_t* r0 = raw;
+      std::uint16_t* r1 = raw + D_;
+      for (int key = 0; key < n; key += 2) {
+        std::memcpy(r0, vc + value_row(k0 + key), row_bytes);
+        if (key + 1 < n)
+          std::memcpy(r1, vc + value_row(k0 + key + 1), row_bytes);
+        else
+          std::memset(r1, 0, row_bytes);
+        std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+        for (int d = 0; d < D_; ++d) vr[d] = pair(r0[d], r1[d]);
+      }
+    }
+  }
+
+  // Byte offset of the nhd row of key `key` (of this sequence) in a cache.
+  std::int64_t value_row(int key) const {
+    const std::int64_t blk = s_.blocks[static_cast<std::size_t>(key / B_)];
+    return ((blk * B_ + key % B_) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
+  }
+
+  // Keys [k0, k0 + n) (whole blocks but maybe the last) into kt [D, NC] and v [NC, Dp];
+  // columns / rows n .. NC stay 0 so padding never meets the cache's unwritten slots.
+  void load_chunk(int k0, int n) {
+    float* kt = s_.kt.data();
+    float* v = s_.v.data();
+    const char* kc = static_cast<const char*>(p_.key_cache);
+    const char* vc = static_cast<const char*>(p_.value_cache);
+    const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
+    s_.raw.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, D_)));
+    float* raw = s_.raw.data();
+    for (int c0 = 0; c0 < n; c0 += B_) {
+      const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const int nt = std::min(B_, n - c0);
+      if (p_.layout == CacheLayout::kVLLM) {
+        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        // keys [D/x][B][x]: converted whole (slots past nt are converted, never used)
+        load_row(kc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.k_scale,
+                 static_cast<int>(head_elems), raw);
+        for (int c = 0; c < D_ / x_; ++c)
+          for (int t = 0; t < nt; ++t)
+            for (int i = 0; i < x_; ++i)
+              kt[static_cast<std::size_t>(c * x_ + i) * NC_ + c0 + t] =
+                  raw[(static_cast<std::size_t>(c) * B_ + t) * x_ + i];
+        // values [D][B]
+        load_row(vc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.v_scale,
+                 static_cast<int>(head_elems), raw);
+        for (int t = 0; t < nt; ++t) {
+          float* vr = v + static_cast<std::size_t>(c0 + t) * Dp_;
+          for (int d = 0; d < D_; ++d) vr[d] = raw[static_cast<std::size_t>(d) * B_ + t];
+        }
+      } else {  // nhd [N][B][K][D]: one row per token
+        for (int t = 0; t < nt; ++t) {
+          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * ce_;
+          load_row(kc + off, p_.dtype, p_.kv_cache_dtype, p_.k_scale, D_, raw);
+          for (int d = 0; d < D_; ++d) kt[static_cast<std::size_t>(d) * NC_ + c0 + t] = raw[d];
+          load_row(vc + off, p_.dtype, p_.kv_cache_dtype, p_.v_scale, D_,
+                   v + static_cast<std::size_t>(c0 + t) * Dp_);
+        }
+      }
+    }
+    if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
+      for (int d = 0; d < D_; ++d)
+        std::fill(kt + static_cast<std::size_t>(d) * NC_ + n, kt + (d + 1) * NC_, 0.0f);
+      std::fill(v + static_cast<std::size_t>(n) * Dp_, v + static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+    }
+  }
+
+  // ALiBi (slope[h] * (t - p)) and the mask: key k0 + c is visible to row m when
+  // c < n (a real key of the chunk, not padding) and k0 + c <= pos(m) (causal).
+  void bias_and_mask(int k0, int n) {
+    for (int m = 0; m < Mp_; ++m) {
+      float* s = s_.s.data() + row(m) * NC_;
+      const int p = pos(m);
+      if (p_.alibi_slopes && m < M_) {
+        const float slope = p_.alibi_slopes[t_.kv_head * G_ + m % G_];
+        for (int c = 0; c < n; ++c) s[c] += slope * static_cast<float>(k0 + c - p);
+      }
+      const int visible = std::max(0, std::min(n, p - k0 + 1));
+      std::fill(s + visible, s + NC_, -INFINITY);
+    }
+  }
+
+  // Rows whose max rose: their float32 sum follows the new scale (the float64 total
+  // catches up when it is folded). corr = 0: the first finite chunk of the row (or a jump
+  // beyond float range): the sum restarts from 0.
+  void rescale() {
+    for (int m = 0; m < Mp_; ++m) {
+      const float c = s_.corr[row(m)];
+      if (c == 1.0f) continue;
+      float* o = s_.o32.data() + row(m) * Dp_;
+      if (c == 0.0f) {
+        std::fill(o, o + D_, 0.0f);
+      } else {
+        for (int d = 0; d < D_; ++d) o[d] *= c;
+      }
+    }
+  }
+
+  // total = total * exp(fold max - row max) + the float32 sum, which restarts at 0.
+  void fold() {
+    for (int m = 0; m < Mp_; ++m) {
+      const float now = s_.row_max[row(m)];
+      float& was = s_.fold_max[row(m)];
+      const double f = was == now ? 1.0 : std::exp(static_cast<double>(was) - static_cast<double>(now));
+      was = now;
+      double* t = s_.o64.data() + row(m) * Dp_;
+      float* o = s_.o32.data() + row(m) * Dp_;
+      if (f == 1.0) {
+        for (int d = 0; d < D_; ++d) t[d] += o[d];
+      } else {
+        for (int d = 0; d < D_; ++d) t[d] = t[d] * f + o[d];
+      }
+      std::fill(o, o + D_, 0.0f);
+    }
+  }
+
+  void write_out() {
+    const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
+    s_.raw.resize(std::max(s_.raw.size(), static_cast<std::size_t>(D_)));
+    float* out_row = s_.raw.data();
+    for (int m = 0; m < M_; ++m) {
+      const double inv = 1.0 / s_.row_sum[row(m)];
+      const double* t = s_.o64.data() + row(m) * Dp_;
+      for (int d = 0; d < D_; ++d) out_row[d] = static_cast<float>(t[d] * inv);
+      const std::int64_t tok = t_.row0 + t_.j0 + m / G_;
+      const std::int64_t h = static_cast<std::int64_t>(t_.kv_head) * G_ + m % G_;
+      store_row(out_row, p_.dtype, KVCacheDType::kAuto, 1.0f, D_,
+                static_cast<char*>(p_.out) + (tok * p_.o_stride_seq + h * p_.o_stride_head) * elem);
+    }
+  }
+
+  const DecodeParams& p_;
+  const Tile& t_;
+  const Kernels& k_;
+  const int G_, D_, Dp_, B_, R_, M_, Mp_, chunk_blocks_, NC_, pos0_, keys_;
+  const std::int64_t ce_;
+  const int x_;
+  const bool bf_;  // bfloat16 pair products (see bf16dot)
+  Scratch& s_;
+};
+
+// Every sequence has exactly one query row (checked on the values read once): the call
+// is the decode problem, rows = sequences.
+bool all_single_rows(const DecodeParams& p) {
+  if (p.num_tokens != p.num_seqs) return false;
+  for (int s = 0; s <= p.num_seqs; ++s)
+    if (p.query_start_loc[s] != s) return false;
+  return true;
 }
 
 }  // namespace
 
 void paged_attention_varlen(const DecodeParams& p) {
-  const int D = p.head_size, K = p.num_kv_heads, G = p.num_heads / p.num_kv_heads;
-  const std::size_t es = dtype_size(p.dtype);
-  const KVCacheDType kAuto = KVCacheDType::kAuto;
-  parallel_for(static_cast<std::int64_t>(p.num_seqs) * K, [&](std::int64_t task) {
-    const std::int64_t s = task / K;
-    const int kh = static_cast<int>(task % K);
-    const std::int64_t row0 = p.query_start_loc[s];
-    const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
-    const int len = p.seq_lens[s];
-    if (q_len == 0) return;
-    std::vector<float> k(static_cast<std::size_t>(len) * D), v(k.size()), q(D), acc(D), logits(len);
-    gather_kv(p, s, kh, len, k.data(), v.data());
-    for (int g = 0; g < G; ++g) {
-      const int h = kh * G + g;
-      const float slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.0f;
-      for (int j = 0; j < q_len; ++j) {
-        const std::int64_t r = row0 + j;
-        const int pos = len - q_len + j;  // the row's position; it attends to 0 .. pos
-        load_row(static_cast<const char*>(p.query) + (r * p.q_stride_seq + h * p.q_stride_head) * es, p.dtype,
-                 kAuto, 1.0f, D, q.data());
-        float mx = -INFINITY;
-        for (int t = 0; t <= pos; ++t) {
-          const float* kt = k.data() + static_cast<std::size_t>(t) * D;
-          float dot = 0.0f;
-          for (int d = 0; d < D; ++d) dot += q[static_cast<std::size_t>(d)] * kt[d];
-          logits[static_cast<std::size_t>(t)] = dot * p.scale + slope * static_cast<float>(t - pos);
-          mx = std::max(mx, logits[static_cast<std::size_t>(t)]);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float sum = 0.0f;
-        for (int t = 0; t <= pos; ++t) {
-          const float w = std::exp(logits[static_cast<std::size_t>(t)] - mx);
-          sum += w;
-          const float* vt = v.data() + static_cast<std::size_t>(t) * D;
-          for (int d = 0; d < D; ++d) acc[static_cast<std::size_t>(d)] += w * vt[d];
-        }
-        for (float& a : acc) a /= sum;
-        store_row(acc.data(), p.dtype, kAuto, 1.0f, D,
-                  static_cast<char*>(p.out) + (r * p.o_stride_seq + h * p.o_stride_head) * es);
-      }
-    }
-  });
+  if (all_single_rows(p)) {
+    DecodeParams d = p;
+    d.query_start_loc = nullptr;
+    paged_attention(d);
+    return;
+  }
+  const int G = p.num_heads / p.num_kv_heads;
+  const std::vector<Tile> tiles = make_tiles(p, std::max(1, kTileRows / G));
+  const Kernels& k = kernels();
+  parallel_for(static_cast<std::int64_t>(tiles.size()),
+               [&](std::int64_t i) { TileTask(p, tiles[static_cast<std::size_t>(i)], k).run(); });
 }
 
 }  // namespace pagedattn::cpu

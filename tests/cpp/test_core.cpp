@@ -282,3 +282,74 @@ PA_TEST(prepared_decode_validates_once_and_runs_like_the_eager_call) {
   PA_CHECK_THROWS(PreparedDecode(ro, p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), InvalidArgument);
   PA_CHECK_THROWS(paged_attention(ro, p.qv(), p.kv(), p.vv(), p.btv(), p.lv()), InvalidArgument);
 }
+
+PA_TEST(cpu_varlen_matches_double_causal_reference) {
+  // Query rows of each sequence are its last tokens: 0 rows of the empty sequence, the
+  // last 2 of the 5-token one, all 13 of the other (a whole prompt, causal).
+  Problem p;
+  const std::vector<std::int32_t> qsl = {0, 0, 2, 15};
+  const int T = 15;
+  std::mt19937 gen(99);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(T * p.H * p.D));
+  for (auto& v : q) v = nd(gen);
+  std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+  AttentionOptions opt;
+  std::vector<std::int32_t> qsl_buf = qsl;
+  opt.query_start_loc = make_view(qsl_buf.data(), DType::kInt32, {p.S + 1});
+  opt.max_query_len = 13;
+  TensorView qv = make_view(q.data(), DType::kFloat32, {T, p.H, p.D});
+  paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(), p.btv(), p.lv(),
+                  opt);
+  for (int s = 0; s < p.S; ++s) {
+    const int L = p.lens[static_cast<size_t>(s)], lo = qsl[static_cast<size_t>(s)];
+    const int n = qsl[static_cast<size_t>(s + 1)] - lo;
+    for (int j = 0; j < n; ++j) {
+      const int pos = L - n + j;
+      for (int h = 0; h < p.H; ++h) {
+        const int kh = h / (p.H / p.K);
+        const float* qr = q.data() + static_cast<size_t>(((lo + j) * p.H + h) * p.D);
+        std::vector<double> logit(static_cast<size_t>(pos + 1));
+        double mx = -1e300;
+        for (int t = 0; t <= pos; ++t) {
+          const int blk = p.bt[static_cast<size_t>(s * p.M + t / p.B)];
+          double acc = 0;
+          for (int e = 0; e < p.D; ++e)
+            acc += static_cast<double>(qr[e]) *
+                   p.kc[static_cast<size_t>(((blk * p.B + t % p.B) * p.K + kh) * p.D + e)];
+          logit[static_cast<size_t>(t)] = acc / std::sqrt(static_cast<double>(p.D));
+          mx = std::max(mx, logit[static_cast<size_t>(t)]);
+        }
+        for (int d = 0; d < p.D; ++d) {
+          double sum = 0, o = 0;
+          for (int t = 0; t <= pos; ++t) {
+            const int blk = p.bt[static_cast<size_t>(s * p.M + t / p.B)];
+            const double w = std::exp(logit[static_cast<size_t>(t)] - mx);
+            sum += w;
+            o += w * p.vc[static_cast<size_t>(((blk * p.B + t % p.B) * p.K + kh) * p.D + d)];
+          }
+          const double want = o / sum;
+          const double got = out[static_cast<size_t>(((lo + j) * p.H + h) * p.D + d)];
+          if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+            PA_FAIL_AT("row " << lo + j << " head " << h << " dim " << d << ": " << got << ", expected "
+                              << want);
+        }
+      }
+    }
+  }
+  // Bad contents are typed errors: decreasing offsets, a query longer than its sequence,
+  // a max_query_len below a sequence's rows.
+  qsl_buf = {0, 3, 2, 15};
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
+                  InvalidArgument);
+  qsl_buf = {0, 0, 6, 15};  // 6 rows of a 5-token sequence
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
+                  InvalidArgument);
+  qsl_buf = qsl;
+  opt.max_query_len = 12;
+  PA_CHECK_THROWS(paged_attention(make_view(out.data(), DType::kFloat32, {T, p.H, p.D}), qv, p.kv(), p.vv(),
+                                  p.btv(), p.lv(), opt),
+                  InvalidArgument);
+}

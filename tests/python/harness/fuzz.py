@@ -18,8 +18,11 @@ sees), forked children checking a decode (``fork``: skipped under AddressSanitiz
 allocator is not fork-safe while other threads allocate), outputs sharing memory with
 inputs (``shared_buffers``), mappings inside caches and repeated / chained destinations
 (``cache_mappings``), extreme integers on every integer argument (``extreme_ints``),
-token ids over the int32 range (``token_ids``) and bad command lines (``command_line``,
-in-process: exit status 2, one stderr line naming the option, nothing run).
+token ids over the int32 range (``token_ids``), bad command lines (``command_line``,
+in-process: exit status 2, one stderr line naming the option, nothing run) and varlen
+queries (``varlen``: bad ``query_start_loc`` contents and extreme integers in it or in
+``max_query_len``, offsets inside ``out``'s memory, offsets changed under a prepared call
+or rewritten by a racing thread).
 
 Run long campaigns from the command line (``--cases`` as many as you like; case ``i`` of
 seed ``S`` is reproducible on its own with ``--seed S --first i --cases 1``)::
@@ -1810,6 +1813,153 @@ def fuzz_command_line(d: Draw) -> Outcome:
 
 
 # ---------------------------------------------------------------------------------------
+# Varlen attention (query_start_loc): valid calls, bad offsets, extreme integers, offsets
+# sharing memory with out, offsets changed under a prepared call or by a racing thread
+# ---------------------------------------------------------------------------------------
+def make_varlen_problem(d: Draw) -> tuple:
+    """A decode problem turned varlen: q_i in [0, seq_len] rows per sequence (0, 1, all or
+    any), a [T, H, D] query and its query_start_loc. Returns (problem, qsl)."""
+    p = make_decode_problem(d)
+    lens = p.seq_lens.tolist()
+    q_lens = [d.choice([0, 1, n, d.int(0, n)]) if n else 0 for n in lens]
+    qsl = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)]).astype(np.int32)
+    S, H, D = p.query.shape
+    T = int(qsl[-1])
+    rng = d.rng()
+    if d.bool(0.25) and T:
+        p.query = rng.standard_normal((T, 2 * H, D)).astype(p.dtype)[:, ::2]  # strided rows
+    else:
+        p.query = rng.standard_normal((T, H, D)).astype(p.dtype)
+    return p, qsl
+
+
+def _varlen_ref(p: DecodeProblem, qsl: np.ndarray, args: Optional[list] = None) -> np.ndarray:
+    kw = {k: p.kw[k] for k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in p.kw}
+    return reference.paged_attention_ref(*(args or p.args()), query_start_loc=qsl, **kw)
+
+
+def _qsl_valid(qsl: np.ndarray, lens: np.ndarray, T: int) -> bool:
+    """The contract of query_start_loc, in Python."""
+    q = qsl.astype(np.int64)
+    rows = np.diff(q)
+    return bool(q[0] == 0 and q[-1] == T and (rows >= 0).all() and (rows <= lens).all())
+
+
+def _qsl_mutations(d: Draw, p: DecodeProblem, qsl: np.ndarray) -> list:
+    """(label, bad query_start_loc or a change of the keywords, expected error types)."""
+    S = len(qsl) - 1
+    T = int(qsl[-1])
+    lens = p.seq_lens
+    m: list = []
+
+    def with_entry(i: int, v: int) -> np.ndarray:
+        q = qsl.copy()
+        q[i] = v
+        return q
+
+    m.append(("query_start_loc int64", qsl.astype(np.int64), (TypeError,)))
+    m.append(("query_start_loc float32", qsl.astype(np.float32), (TypeError,)))
+    m.append(("query_start_loc 2-D", qsl.reshape(1, -1), (ValueError,)))
+    m.append(("query_start_loc empty", np.zeros(0, np.int32), (ValueError,)))
+    m.append(("query_start_loc one more entry", np.append(qsl, np.int32(T)), (ValueError,)))
+    if len(qsl) > 1:
+        m.append(("query_start_loc strided", np.repeat(qsl, 2)[::2], (ValueError,)))
+    m.append(("query_start_loc[0] != 0", with_entry(0, d.choice([1, -1, T + 1, 2**31 - 1, -(2**31)])),
+              (ValueError,)))  # fmt: skip
+    m.append(("query_start_loc total != T", with_entry(S, d.choice([T + 1, T - 1, 2**31 - 1, -(2**31)])),
+              (ValueError,)))  # fmt: skip
+    if S >= 1:
+        i = d.int(1, S)
+        v = d.choice([v for v in EXTREME_INTS if -(2**31) <= v < 2**31] + [int(qsl[i]) + 1, int(qsl[i]) - 1])
+        if not _qsl_valid(with_entry(i, v), lens, T):  # moving a row to a neighbour can be valid
+            m.append((f"query_start_loc[{i}] = {v}", with_entry(i, v), (ValueError,)))
+        longer = [i for i in range(S) if lens[i] < T]
+        if longer and S >= 2:  # one sequence gets more rows than its length (the total kept)
+            i = d.choice(longer)
+            q_lens = np.diff(qsl.astype(np.int64))
+            j = d.choice([j for j in range(S) if j != i])
+            extra = int(lens[i]) + 1 - int(q_lens[i])
+            q_lens[i] += extra
+            q_lens[j] -= extra
+            if q_lens[j] >= 0:
+                bad = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+                m.append(("query longer than its sequence", bad, (ValueError,)))
+    return m
+
+
+def fuzz_varlen(d: Draw) -> Outcome:
+    """paged_attention / prepare_decode with query_start_loc: a valid call matches the
+    float64 causal reference; a bad one raises the typed error and writes nothing."""
+    p, qsl = make_varlen_problem(d)
+    S = len(qsl) - 1
+    T = int(qsl[-1])
+    H, D = p.query.shape[1:]
+    q_max = int(np.diff(qsl).max(initial=0))
+    mode = d.choice(["valid", "valid", "bad offsets", "max_query_len", "aliases out", "prepared", "race"])
+    label = f"varlen {mode}: S={S} T={T} dtype={p.dtype.name} {p.kw.get('kv_cache_dtype', 'auto')}"
+    kw = dict(p.kw)
+    if mode == "valid":
+        if d.bool():
+            kw["max_query_len"] = d.choice([q_max, q_max + d.int(1, 5), 2**31 - 1])
+        omode = d.choice(["new", "given", "strided"])
+        if omode == "given":
+            kw["out"] = np.full((T, H, D), np.nan, p.dtype)
+        elif omode == "strided":
+            kw["out"] = np.full((T, 2 * H, D + 3), np.nan, p.dtype)[:, ::2, 1 : D + 1]
+        out = _call_valid(label, lambda: pagedattn.paged_attention(*p.args(), query_start_loc=qsl, **kw))
+        if "out" in kw and out is not kw["out"]:
+            _fail(label, "the given out array was not returned")
+        _check_close(label, out, _varlen_ref(p, qsl), p.dtype)
+        return Outcome("varlen", "ok", mode)
+    if mode in ("bad offsets", "max_query_len", "aliases out"):
+        out = np.full((T, H, D), -3, p.dtype)
+        kw["out"] = out
+        bad_qsl = qsl
+        if mode == "bad offsets":
+            what, bad_qsl, expected = d.choice(_qsl_mutations(d, p, qsl))
+        elif mode == "max_query_len":
+            v = d.choice([-1, -(2**31), -(2**63), 2**31, 2**63, 2**64] + ([q_max - 1] if q_max else []))
+            kw["max_query_len"] = v
+            what, expected = f"max_query_len = {v}", (ValueError, TypeError, OverflowError)
+        else:  # query_start_loc placed inside out's memory
+            if out.nbytes < qsl.nbytes:
+                return Outcome("varlen", "ok", "too small to alias")
+            bad_qsl = out.reshape(-1).view(np.uint8)[: qsl.nbytes].view(np.int32)
+            bad_qsl[...] = qsl
+            what, expected = "query_start_loc inside out", (ValueError,)
+        before = out.copy()
+        o = _expect_error(f"{label}: {what}", lambda: pagedattn.paged_attention(*p.args(), query_start_loc=bad_qsl,
+                                                                                **kw), expected)  # fmt: skip
+        if not _same(before, out):
+            _fail(f"{label}: {what}", "a call that raised wrote into out")
+        o.target = "varlen"
+        return o
+    if mode == "prepared":
+        prepared = _call_valid(label, lambda: pagedattn.prepare_decode(*p.args(), query_start_loc=qsl, **kw))
+        for _ in range(d.int(1, 3)):
+            if S and d.bool():
+                same_layout = [
+                    m
+                    for m in _qsl_mutations(d, p, qsl)
+                    if m[1].shape == qsl.shape and m[1].dtype == qsl.dtype and m[1].flags.c_contiguous
+                ]
+                what, bad, expected = d.choice(same_layout)
+                good = qsl.copy()
+                qsl[...] = bad
+                _expect_error(f"{label}: {what} after preparing", prepared.run, expected)
+                qsl[...] = good
+            p.query[...] = d.rng().standard_normal(p.query.shape).astype(p.dtype)
+            _check_close(label, _call_valid(label, prepared.run), _varlen_ref(p, qsl), p.dtype)
+        return Outcome("varlen", "ok", mode)
+    # race: a second thread rewrites the offsets (and the other index arrays) during calls
+    arrays = [a for a in (qsl, p.block_tables, p.seq_lens) if a.size]
+    _race(d, arrays, lambda: pagedattn.paged_attention(*p.args(), query_start_loc=qsl, **kw), label)
+    _check_close(label, _call_valid(label, lambda: pagedattn.paged_attention(*p.args(), query_start_loc=qsl, **kw)),
+                 _varlen_ref(p, qsl), p.dtype)  # fmt: skip
+    return Outcome("varlen", "ok", mode)
+
+
+# ---------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------
 def _targets() -> dict:
@@ -1835,6 +1985,9 @@ def _targets() -> dict:
         t.update(index_race=fuzz_index_race, fork=fuzz_fork, shared_buffers=fuzz_shared_buffers,
                  cache_mappings=fuzz_cache_mappings, extreme_ints=fuzz_extreme_ints, token_ids=fuzz_token_ids,
                  command_line=fuzz_command_line)  # fmt: skip
+    # Varlen queries (chunked prefill): bad offsets, extreme integers, offsets inside out,
+    # offsets changed under a prepared call or by a racing thread.
+    t["varlen"] = fuzz_varlen
     return t
 
 
@@ -1845,7 +1998,7 @@ TARGETS = _targets()
 WEIGHTS = {"paged_attention": 12, "reshape_and_cache": 8, "kv_cache_shape": 4, "prepare_decode": 2,
            "copy_blocks": 2, "swap_blocks": 2, "decode_workspace_size": 2, "block_manager": 6,
            "index_race": 2, "fork": 1, "shared_buffers": 2, "cache_mappings": 1, "extreme_ints": 3,
-           "token_ids": 1, "command_line": 1}  # fmt: skip
+           "token_ids": 1, "command_line": 1, "varlen": 4}  # fmt: skip
 
 
 def run_case(d: Draw, target: Optional[str] = None) -> Outcome:
