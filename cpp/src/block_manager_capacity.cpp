@@ -74,6 +74,19 @@ bool BlockManager::can_allocate(const std::int32_t* tokens, std::int64_t n, std:
   return d.blocks_for(n) - hits <= d.pool.num_available() - from_lru - d.watermark_blocks;
 }
 
+PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key) const {
+  const Impl& d = *impl_;
+  if (n < 0) fail<InvalidArgument>("peek_prefix: num_tokens = ", n, " must be >= 0");
+  std::int64_t from_lru = 0;
+  const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, nullptr, nullptr);
+  PrefixPeek p;
+  p.cached_tokens = hits * d.bs;
+  p.new_blocks = d.blocks_for(n) - hits;
+  p.reused_cached_blocks = from_lru;
+  p.fits = p.new_blocks <= d.pool.num_available() - from_lru - d.watermark_blocks;  // as add_sequence decides
+  return p;
+}
+
 bool BlockManager::can_append(std::int64_t seq_id, std::int64_t num_tokens) const {
   const Impl& d = *impl_;
   if (num_tokens < 0) fail<InvalidArgument>("can_append: num_tokens = ", num_tokens, " must be >= 0");

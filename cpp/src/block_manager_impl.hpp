@@ -5,7 +5,7 @@
 //   block_manager_step.cpp        plan_step / step: the scheduler step and its metadata, sliding window
 //   block_manager_capacity.cpp    block demand of a request and the can_* queries
 //   block_manager_swap.cpp        swap_out / swap_in planning
-//   block_manager_export.cpp      block tables, sequence lengths, CSR page tables, slots
+//   block_manager_export.cpp      block tables (full and incremental), sequence lengths, CSR page tables, slots
 //   block_manager_invariants.cpp  check_invariants
 //   block_pool.hpp                reference counts, free list, LRU of evictable cached blocks
 //   prefix_cache.hpp              block hash, prefix-node tree, registry and exact prefix lookup
@@ -13,6 +13,7 @@
 //   host_outputs.hpp              checks and writes of caller-provided output arrays
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,9 +32,23 @@ struct BlockManager::Impl {
     std::int64_t num_computed = 0;
     std::uint64_t extra_key = 0;
     std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
+    bool ids_known = true;              // false: admitted by count (add_sequence_by_count) or forked from one
+    std::uint64_t uid = 0;              // unique over the manager's life (incremental export)
+    std::int64_t export_row = -1;       // row of the remembered table it was last written to
+    std::int64_t dirty_from = 0;        // entries [dirty_from, ...) changed since that write
     std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
     std::vector<std::int32_t> tokens;
     std::vector<PrefixCache::Link> chain;  // prefix nodes of blocks [0, chain.size()) (caching only; held)
+  };
+
+  // The table remembered by incremental steps (StepOutputs::incremental).
+  struct ExportTrack {
+    const void* data = nullptr;  // null: nothing remembered
+    std::int64_t rows = 0, cols = 0, s0 = 0, s1 = 0;
+    std::int32_t pad = 0;
+    std::uintptr_t lo = 0, hi = 0;       // bytes the table spans
+    std::vector<std::uint64_t> row_uid;  // sequence whose entries a row holds; 0 = unknown content
+    std::vector<std::int64_t> row_len;   // entries of that sequence written; the rest of the row is pad
   };
 
   explicit Impl(const BlockManagerOptions& options);  // options already validated
@@ -51,6 +66,15 @@ struct BlockManager::Impl {
   }
   // Resolves a batch of distinct ids into scratch_idx (all swapped out, or none).
   void resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what, bool want_swapped) const;
+  // The same for sequences in any state (want: 0 = on the GPU, 1 = swapped out, -1 = either).
+  void resolve_ids(const std::int64_t* seq_ids, std::int64_t n, const char* what, int want) const;
+  // Admission shared by add_sequence and add_sequence_by_count (tokens null: ids not kept).
+  std::int64_t admit(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key,
+                     const char* what);
+  void check_forkable(std::int64_t parent_id, std::int64_t child_id, const char* what) const;
+  void fork_at(std::int32_t pidx, std::int64_t child_id);  // checked by check_forkable
+  void free_at(std::int32_t idx);
+  static void mark_dirty(Seq& s, std::int64_t entry) { s.dirty_from = std::min(s.dirty_from, entry); }
   std::int32_t new_slot_index();
   std::int32_t take_block();
   void release_block(std::int32_t b) { pool.release(b, cache.is_registered(b)); }
@@ -65,6 +89,14 @@ struct BlockManager::Impl {
 
   // ---- steps (block_manager_step.cpp)
   void release_window(Seq& s, std::int64_t first_query_pos);
+
+  // ---- incremental export (block_manager_export.cpp)
+  // Remembers table t (resetting every row when it is not the table remembered now).
+  void track_table(const TensorView& t, std::int32_t pad) const;
+  // Forgets the remembered table when t shares memory with it (a full write into it).
+  void forget_table_if_overlapping(const TensorView& t) const;
+  // Writes row `row` of the remembered table for sequence s: only what differs.
+  void write_row_incremental(const TensorView& t, std::int64_t row, Seq& s) const;
 
   // ---- demand (block_manager_capacity.cpp)
   std::int64_t append_demand(const Seq& s, std::int64_t n) const;
@@ -88,6 +120,8 @@ struct BlockManager::Impl {
   std::int64_t num_live = 0;
 
   BlockPairs copies;  // pending copy-on-write pairs
+  std::uint64_t next_uid = 1;
+  mutable ExportTrack track;
 
   // Scratch (no allocation in steady state).
   mutable std::vector<std::int32_t> scratch_idx;

@@ -13,6 +13,7 @@ void BlockManager::Impl::release_window(Seq& s, std::int64_t first_query_pos) {
   const std::int64_t limit = first_query_pos - opt.sliding_window + 1;  // oldest key position still needed
   if (limit <= 0) return;
   const std::int64_t end = std::min<std::int64_t>(limit / bs, static_cast<std::int64_t>(s.blocks.size()));
+  if (end > s.first_live_block) mark_dirty(s, s.first_live_block);
   for (std::int64_t j = s.first_live_block; j < end; ++j) {
     std::int32_t& b = s.blocks[static_cast<std::size_t>(j)];
     if (b >= 0) release_block(b);
@@ -50,11 +51,12 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   const char* what = "step";
   const std::int64_t n = req.num_seqs;
   const std::int64_t bs = d.bs;
-  check_table(out.block_tables, what, n, shape.max_blocks);
-  check_vec(out.seq_lens, what, "seq_lens", n, false);
-  check_vec(out.context_lens, what, "context_lens", n, false);
-  check_vec(out.query_start_loc, what, "query_start_loc", n + 1, false);
-  check_vec(out.slot_mapping, what, "slot_mapping", shape.num_tokens, true);
+  const bool at_least = out.persistent;
+  check_table(out.block_tables, what, n, shape.max_blocks, at_least);
+  check_vec(out.seq_lens, what, "seq_lens", n, false, at_least);
+  check_vec(out.context_lens, what, "context_lens", n, false, at_least);
+  check_vec(out.query_start_loc, what, "query_start_loc", n + 1, false, at_least);
+  check_vec(out.slot_mapping, what, "slot_mapping", shape.num_tokens, true, at_least);
   check_disjoint(
       what,
       {byte_range(out.block_tables, what, "block_tables"), byte_range(out.seq_lens, what, "seq_lens"),
@@ -74,8 +76,15 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
                         " new block(s); ", d.pool.num_available(), " available");
     d.copies.reserve(d.copies.size() + static_cast<std::size_t>(n));
   }
+  const bool incremental = out.block_tables && out.incremental;
+  if (incremental)
+    d.track_table(*out.block_tables, out.pad);  // may allocate its row state: before any change
+  for (const TensorView* t : {incremental ? nullptr : out.block_tables, out.seq_lens, out.context_lens,
+                              out.query_start_loc, out.slot_mapping})
+    if (t) d.forget_table_if_overlapping(*t);  // a full write into the remembered table
 
   // Nothing below can fail.
+  const bool caching = d.cache.enabled();
   std::int64_t t = 0;  // tokens scheduled so far
   if (out.query_start_loc) at32(*out.query_start_loc, 0) = 0;
   if (req.new_tokens)  // all allocations first, then the schedule (which may register blocks)
@@ -86,22 +95,30 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
     const auto len = static_cast<std::int64_t>(s.tokens.size());
     const std::int64_t ctx = s.num_computed;
     const std::int64_t q = req.query_lens ? req.query_lens[i] : len - ctx;
-    d.release_window(s, ctx);
-    if (out.slot_mapping) {
+    if (d.opt.sliding_window > 0) d.release_window(s, ctx);
+    if (out.slot_mapping && q == 1 && out.slot_mapping->dtype == DType::kInt64) {  // a decode token
+      out.slot_mapping->ptr<std::int64_t>()[t * out.slot_mapping->strides[0]] =
+          static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(ctx / bs)]) * bs + ctx % bs;
+    } else if (out.slot_mapping) {
       for (std::int64_t pos = ctx; pos < ctx + q; ++pos)
         put_slot(*out.slot_mapping, t + pos - ctx,
                  static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(pos / bs)]) * bs + pos % bs);
     }
     t += q;
     if (out.query_start_loc) at32(*out.query_start_loc, i + 1) = static_cast<std::int32_t>(t);
-    if (out.block_tables) write_row(*out.block_tables, i, s.blocks, out.pad);
+    if (incremental)
+      d.write_row_incremental(*out.block_tables, i, s);
+    else if (out.block_tables)
+      write_row(*out.block_tables, i, s.blocks, out.pad);
     if (out.seq_lens) at32(*out.seq_lens, i) = static_cast<std::int32_t>(ctx + q);
     if (out.context_lens) at32(*out.context_lens, i) = static_cast<std::int32_t>(ctx);
     s.num_computed = ctx + q;
-    d.register_full_blocks(s);
+    if (caching) d.register_full_blocks(s);
   }
   return shape;
 }
+
+void BlockManager::reset_incremental_export() { impl_->track = Impl::ExportTrack{}; }
 
 void BlockManager::take_copy_pairs(BlockPairs& pairs) {
   pairs.insert(pairs.end(), impl_->copies.begin(), impl_->copies.end());

@@ -15,6 +15,6 @@ use one manager per thread (or an external lock) anywhere else.
 
 from __future__ import annotations
 
-from ._core import BlockManager, OutOfBlocksError, StepMetadata
+from ._core import BlockManager, OutOfBlocksError, PrefixPeek, StepMetadata
 
-__all__ = ["BlockManager", "StepMetadata", "OutOfBlocksError"]
+__all__ = ["BlockManager", "StepMetadata", "PrefixPeek", "OutOfBlocksError"]

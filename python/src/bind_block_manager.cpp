@@ -294,6 +294,76 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
   return md;
 }
 
+// step_into: the caller's persistent buffers, filled up to their capacity; no new arrays
+// apart from copy_pairs when copies are pending. Outputs not given are not written.
+StepMetadata run_step_into(BlockManager& m, nb::handle seq_ids, nb::handle token_ids, nb::handle query_lens,
+                           const nb::object& block_tables, const nb::object& seq_lens,
+                           const nb::object& context_lens, const nb::object& query_start_loc,
+                           const nb::object& slot_mapping, std::int32_t pad, bool incremental) {
+  const auto ids = int_arg<std::int64_t>(seq_ids, "step_into", "seq_ids");
+  IntArg<std::int32_t> toks;
+  IntArg<std::int64_t> qlens;
+  StepRequest req;
+  req.seq_ids = ids.ptr;
+  req.num_seqs = ids.size;
+  if (!token_ids.is_none()) {
+    toks = int_arg<std::int32_t>(token_ids, "step_into", "token_ids");
+    if (toks.size != ids.size)
+      fail<InvalidArgument>("step_into: token_ids has ", toks.size, " entries for ", ids.size,
+                            " sequences (one new token per sequence)");
+    req.new_tokens = toks.ptr;
+  }
+  if (!query_lens.is_none()) {
+    qlens = int_arg<std::int64_t>(query_lens, "step_into", "query_lens");
+    if (qlens.size != ids.size)
+      fail<InvalidArgument>("step_into: query_lens has ", qlens.size, " entries for ", ids.size, " sequences");
+    req.query_lens = qlens.ptr;
+  }
+  TensorView views[5];
+  const nb::object* given[5] = {&block_tables, &seq_lens, &context_lens, &query_start_loc, &slot_mapping};
+  static const char* const names[5] = {"block_tables", "seq_lens", "context_lens", "query_start_loc",
+                                       "slot_mapping"};
+  const TensorView* ptrs[5] = {};
+  for (int k = 0; k < 5; ++k) {
+    if (given[k]->is_none()) continue;
+    AnyMutArray arr;
+    if (!nb::try_cast(*given[k], arr, false))
+      fail<TypeMismatch>("step_into: ", names[k], " must be a writable DLPack / buffer-protocol array, got ",
+                         nb::inst_name(*given[k]).c_str());
+    views[k] = to_view(arr);
+    ptrs[k] = &views[k];
+  }
+  StepOutputs out;
+  out.block_tables = ptrs[0];
+  out.seq_lens = ptrs[1];
+  out.context_lens = ptrs[2];
+  out.query_start_loc = ptrs[3];
+  out.slot_mapping = ptrs[4];
+  out.pad = pad;
+  out.persistent = true;
+  out.incremental = incremental;
+  const StepShape shape = m.step(req, out);
+
+  StepMetadata md;
+  md.block_tables = block_tables;
+  md.seq_lens = seq_lens;
+  md.context_lens = context_lens;
+  md.query_start_loc = query_start_loc;
+  md.slot_mapping = slot_mapping;
+  if (m.num_pending_copies() == 0) {
+    md.copy_pairs = empty_pairs();
+  } else {
+    BlockManager::BlockPairs pairs;
+    m.take_copy_pairs(pairs);
+    md.copy_pairs = pairs_array(pairs);
+  }
+  md.num_seqs = shape.num_seqs;
+  md.num_tokens = shape.num_tokens;
+  md.max_seq_len = shape.max_seq_len;
+  md.max_query_len = shape.max_query_len;
+  return md;
+}
+
 std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id) { return m.block_table(seq_id); }
 
 }  // namespace
@@ -319,6 +389,19 @@ void bind_block_manager(nb::module_& m) {
       .def("__repr__", [](const StepMetadata& s) {
         return nb::str("StepMetadata(num_seqs={}, num_tokens={}, max_seq_len={}, max_query_len={}, copies={})")
             .format(s.num_seqs, s.num_tokens, s.max_seq_len, s.max_query_len, nb::len(s.copy_pairs));
+      });
+
+  nb::class_<PrefixPeek>(m, "PrefixPeek",
+                         "What add_sequence would find in the prefix cache for a prompt (BlockManager.peek_prefix):\n"
+                         "cached_tokens (its return value), new_blocks (blocks it would take from the pool),\n"
+                         "reused_cached_blocks (hit blocks now evictable), fits (whether it would succeed now).")
+      .def_ro("cached_tokens", &PrefixPeek::cached_tokens)
+      .def_ro("new_blocks", &PrefixPeek::new_blocks)
+      .def_ro("reused_cached_blocks", &PrefixPeek::reused_cached_blocks)
+      .def_ro("fits", &PrefixPeek::fits)
+      .def("__repr__", [](const PrefixPeek& p) {
+        return nb::str("PrefixPeek(cached_tokens={}, new_blocks={}, reused_cached_blocks={}, fits={})")
+            .format(p.cached_tokens, p.new_blocks, p.reused_cached_blocks, p.fits);
       });
 
   nb::class_<BlockManager>(
@@ -393,6 +476,10 @@ void bind_block_manager(nb::module_& m) {
           "Adds a sequence with its prompt and allocates its blocks. Returns the number of leading\n"
           "tokens found in the prefix cache (already computed). extra_key (e.g. an adapter id) is part\n"
           "of every block hash of the sequence.")
+      .def("add_sequence_by_count", &BlockManager::add_sequence_by_count, "seq_id"_a, "num_tokens"_a,
+           "Adds a sequence of num_tokens tokens without their ids (prefix caching must be off: the ids\n"
+           "are never needed then) and allocates its blocks, as add_sequence would. Returns 0.\n"
+           "token_ids() of the sequence (and of its forks) raises ValueError.")
       .def(
           "append_tokens",
           [](BlockManager& b, std::int64_t seq_id, nb::handle token_ids) {
@@ -422,8 +509,37 @@ void bind_block_manager(nb::module_& m) {
       .def("fork", &BlockManager::fork, "parent_id"_a, "child_id"_a,
            "The child shares all of the parent's blocks (copy-on-write). The parent must have no\n"
            "tokens waiting for a step.")
+      .def(
+          "fork_batch",
+          [](BlockManager& b, nb::handle parent_ids, nb::handle child_ids) {
+            const auto children = int_arg<std::int64_t>(child_ids, "fork_batch", "child_ids");
+            IntArg<std::int64_t> parents;
+            if (PyLong_Check(parent_ids.ptr())) {  // one parent for every child
+              parents.store.assign(static_cast<std::size_t>(children.size), nb::cast<std::int64_t>(parent_ids));
+              parents.ptr = parents.store.data();
+              parents.size = children.size;
+            } else {
+              parents = int_arg<std::int64_t>(parent_ids, "fork_batch", "parent_ids");
+            }
+            if (parents.size != children.size)
+              fail<InvalidArgument>("fork_batch: parent_ids has ", parents.size, " entries for ", children.size,
+                                    " child_ids");
+            b.fork_batch(parents.ptr, children.ptr, children.size);
+          },
+          "parent_ids"_a, "child_ids"_a,
+          "Forks child_ids[i] from parent_ids[i] (an int: one parent for all), all or nothing, as\n"
+          "fork() one by one would. Children must be distinct new ids.")
       .def("free", &BlockManager::free, "seq_id"_a,
            "Releases a sequence (running or swapped out). KeyError for an unknown id or a double free.")
+      .def(
+          "free_batch",
+          [](BlockManager& b, nb::handle seq_ids) {
+            const auto ids = int_arg<std::int64_t>(seq_ids, "free_batch", "seq_ids");
+            b.free_batch(ids.ptr, ids.size);
+          },
+          "seq_ids"_a,
+          "Releases the distinct sequences (running or swapped out), all or nothing, as free() in\n"
+          "this order would. KeyError for an unknown id, ValueError for a repeated one.")
       // ---- steps
       .def("step", &run_step, "seq_ids"_a, "token_ids"_a = nb::none(), nb::kw_only(), "query_lens"_a = nb::none(),
            "block_tables"_a = nb::none(), "seq_lens"_a = nb::none(), "context_lens"_a = nb::none(),
@@ -436,6 +552,23 @@ void bind_block_manager(nb::module_& m) {
            "may share memory with an input or another output); the rest are new NumPy arrays.\n"
            "max_blocks pads the new block table up to the pool size (or the widest table). Pending\n"
            "copy-on-write pairs are drained into copy_pairs.")
+      .def("step_into", &run_step_into, "seq_ids"_a, "token_ids"_a = nb::none(), nb::kw_only(),
+           "query_lens"_a = nb::none(), "block_tables"_a = nb::none(), "seq_lens"_a = nb::none(),
+           "context_lens"_a = nb::none(), "query_start_loc"_a = nb::none(), "slot_mapping"_a = nb::none(),
+           "pad"_a = 0, "incremental"_a = true,
+           "The same step as step(), written into persistent buffers: each given output may be\n"
+           "larger than the step (block_tables [R, M] with R >= S and M >= the widest table, the vectors\n"
+           "at least S, S + 1 or T long); the leading rows / entries are written, the rest left as they\n"
+           "are. Outputs not given are not written (none given: the step only advances the manager).\n"
+           "incremental=True writes only the block-table entries that changed since this manager last\n"
+           "wrote that table (new blocks; whole rows for a sequence new to its row or changed by\n"
+           "copy-on-write, swap_in or the sliding window); rows [0, S) end as a full rewrite leaves\n"
+           "them. Write the table yourself only after reset_incremental_export(), or pass\n"
+           "incremental=False (a full rewrite). Returns a StepMetadata holding the given arrays\n"
+           "(None where not given) and the drained copy-on-write pairs.")
+      .def("reset_incremental_export", &BlockManager::reset_incremental_export,
+           "Forgets the block table remembered by step_into(incremental=True): its next call writes\n"
+           "every row in full. Call it after writing that table yourself.")
       .def(
           "take_copy_pairs",
           [](BlockManager& b) {
@@ -485,6 +618,15 @@ void bind_block_manager(nb::module_& m) {
           "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
           "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count,\n"
           "exact up to 2**63 - 1; negative -> ValueError).")
+      .def(
+          "peek_prefix",
+          [](const BlockManager& b, nb::handle token_ids, std::uint64_t extra_key) {
+            const auto t = int_arg<std::int32_t>(token_ids, "peek_prefix", "token_ids");
+            return b.peek_prefix(t.ptr, t.size, extra_key);
+          },
+          "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
+          "What add_sequence(token_ids) would find in the prefix cache now, changing nothing (no\n"
+          "statistics, no LRU order): a PrefixPeek (cached_tokens, new_blocks, reused_cached_blocks, fits).")
       .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1,
            "Whether appending num_tokens tokens would succeed now (exact up to 2**63 - 1; negative ->\n"
            "ValueError; False while swapped out).")
