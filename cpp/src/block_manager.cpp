@@ -200,6 +200,30 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
   return impl_->admit(seq_id, tokens, n, extra_key, "add_sequence");
 }
 
+void BlockManager::Impl::narrow_tokens(const std::int64_t* tokens, std::int64_t n,
+                                       std::vector<std::int32_t>& narrowed, const char* what) {
+  if (n < 0) fail<InvalidArgument>(what, ": negative token count ", n);
+  if (n > 0 && tokens == nullptr) fail<InvalidArgument>(what, ": null token pointer");
+  narrowed.resize(static_cast<std::size_t>(n));
+  bool ok = true;  // one branch-free pass; the offending id is searched for only on failure
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t v = tokens[i];
+    narrowed[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(v);
+    ok &= v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max();
+  }
+  if (ok) return;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (tokens[i] != static_cast<std::int32_t>(tokens[i]))
+      fail<InvalidArgument>(what, ": token_ids[", i, "] = ", tokens[i], " does not fit in 32-bit signed integers");
+}
+
+std::int64_t BlockManager::add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
+                                        std::uint64_t extra_key) {
+  std::vector<std::int32_t> narrowed;
+  Impl::narrow_tokens(tokens, n, narrowed, "add_sequence");
+  return impl_->admit(seq_id, narrowed.data(), n, extra_key, "add_sequence");
+}
+
 std::int64_t BlockManager::add_sequence_by_count(std::int64_t seq_id, std::int64_t n) {
   const char* what = "add_sequence_by_count";
   if (n < 0) fail<InvalidArgument>(what, ": negative token count ", n);
@@ -247,7 +271,13 @@ std::int64_t BlockManager::Impl::admit(std::int64_t seq_id, const std::int32_t* 
     s.blocks.push_back(b);
   }
   for (const PrefixCache::Link& link : s.chain) d.cache.retain(link.node);
-  for (std::int64_t i = 0; i < need; ++i) s.blocks.push_back(d.take_block());
+  if (need <= d.pool.num_free()) {  // no eviction: one pass over the free list
+    const std::size_t at = s.blocks.size();
+    s.blocks.resize(at + static_cast<std::size_t>(need));  // reserved above: no allocation
+    d.pool.take_free(need, s.blocks.data() + at);
+  } else {
+    for (std::int64_t i = 0; i < need; ++i) s.blocks.push_back(d.take_block());
+  }
   s.id = seq_id;
   s.live = true;
   s.swapped = false;

@@ -87,6 +87,13 @@ PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n,
   return p;
 }
 
+PrefixPeek BlockManager::peek_prefix_int64(const std::int64_t* tokens, std::int64_t n, std::uint64_t extra_key) const {
+  if (tokens == nullptr) return peek_prefix(nullptr, n);
+  std::vector<std::int32_t> narrowed;
+  Impl::narrow_tokens(tokens, n, narrowed, "peek_prefix");
+  return peek_prefix(narrowed.data(), n, extra_key);
+}
+
 bool BlockManager::can_append(std::int64_t seq_id, std::int64_t num_tokens) const {
   const Impl& d = *impl_;
   if (num_tokens < 0) fail<InvalidArgument>("can_append: num_tokens = ", num_tokens, " must be >= 0");

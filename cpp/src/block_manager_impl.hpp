@@ -68,6 +68,10 @@ struct BlockManager::Impl {
   void resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what, bool want_swapped) const;
   // The same for sequences in any state (want: 0 = on the GPU, 1 = swapped out, -1 = either).
   void resolve_ids(const std::int64_t* seq_ids, std::int64_t n, const char* what, int want) const;
+  // Narrows int64 token ids [n] into narrowed (throws InvalidArgument, naming the first id
+  // outside int32, before anything changes).
+  static void narrow_tokens(const std::int64_t* tokens, std::int64_t n, std::vector<std::int32_t>& narrowed,
+                            const char* what);
   // Admission shared by add_sequence and add_sequence_by_count (tokens null: ids not kept).
   std::int64_t admit(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key,
                      const char* what);

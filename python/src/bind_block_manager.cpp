@@ -61,6 +61,22 @@ template <class T, class S>
 void copy_strided(IntArg<T>& a, const S* src, std::int64_t n, std::int64_t stride, const char* what,
                   const char* name) {
   a.store.resize(static_cast<std::size_t>(n));
+  if constexpr (std::is_signed_v<S> && sizeof(S) > sizeof(T)) {
+    if (stride == 1) {  // e.g. int64 token ids: one branch-free pass, the checks below only on failure
+      bool ok = true;
+      T* dst = a.store.data();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const S v = src[i];
+        dst[i] = static_cast<T>(v);
+        ok &= static_cast<S>(static_cast<T>(v)) == v;
+      }
+      if (ok) {
+        a.ptr = a.store.data();
+        a.size = n;
+        return;
+      }
+    }
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     const S v = src[i * stride];
     if constexpr (std::is_unsigned_v<S>) {
@@ -76,6 +92,26 @@ void copy_strided(IntArg<T>& a, const S* src, std::int64_t n, std::int64_t strid
   }
   a.ptr = a.store.data();
   a.size = n;
+}
+
+// The value of an exact int that CPython stores in one digit (|v| < 2^30: every token id in
+// practice), read without a call; false for anything else (the caller takes the general path).
+inline bool compact_int(PyObject* o, long long* v) {
+#if defined(Py_LIMITED_API)
+  (void)o;
+  (void)v;
+  return false;
+#elif PY_VERSION_HEX >= 0x030C0000
+  if (!PyLong_CheckExact(o) || !PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(o))) return false;
+  *v = static_cast<long long>(PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(o)));
+  return true;
+#else
+  if (!PyLong_CheckExact(o)) return false;
+  const Py_ssize_t size = Py_SIZE(o);
+  if (size < -1 || size > 1) return false;
+  *v = static_cast<long long>(size) * static_cast<long long>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
+  return true;
+#endif
 }
 
 // Reads a 1-D integer argument into T (int32 for token ids, int64 for ids and lengths).
@@ -132,6 +168,10 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = items[i];
     long long v;
+    if (compact_int(item, &v)) {
+      a.store[static_cast<std::size_t>(i)] = static_cast<T>(v);  // |v| < 2^30 fits in T
+      continue;
+    }
     if (PyLong_Check(item)) {
       v = PyLong_AsLongLong(item);
     } else if (!PyFloat_Check(item) && PyIndex_Check(item)) {  // NumPy integer scalars
@@ -154,6 +194,32 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   a.ptr = a.store.data();
   a.size = static_cast<std::int64_t>(n);
   return a;
+}
+
+// Token ids for admission: a contiguous host int64 array is handed to the core as it is (the
+// core narrows it in one pass); everything else goes through int_arg as int32.
+struct TokenArg {
+  const std::int64_t* p64 = nullptr;
+  IntArg<std::int32_t> i32;
+  nb::ndarray<nb::ro> keep;
+  std::int64_t size = 0;
+};
+
+TokenArg token_arg(nb::handle h, const char* what) {
+  TokenArg t;
+  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, t.keep, false)) {
+    const nb::dlpack::dtype dt = t.keep.dtype();
+    if (t.keep.device_type() == nb::device::cpu::value && t.keep.ndim() == 1 && dt.lanes == 1 &&
+        dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int) && dt.bits == 64 &&
+        (t.keep.stride(0) == 1 || t.keep.shape(0) <= 1)) {
+      t.p64 = static_cast<const std::int64_t*>(t.keep.data());
+      t.size = static_cast<std::int64_t>(t.keep.shape(0));
+      return t;
+    }
+  }
+  t.i32 = int_arg<std::int32_t>(h, what, "token_ids");
+  t.size = t.i32.size;
+  return t;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -469,8 +535,9 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "add_sequence",
           [](BlockManager& b, std::int64_t seq_id, nb::handle token_ids, std::uint64_t extra_key) {
-            const auto t = int_arg<std::int32_t>(token_ids, "add_sequence", "token_ids");
-            return b.add_sequence(seq_id, t.ptr, t.size, extra_key);
+            const TokenArg t = token_arg(token_ids, "add_sequence");
+            if (t.p64) return b.add_sequence_int64(seq_id, t.p64, t.size, extra_key);
+            return b.add_sequence(seq_id, t.i32.ptr, t.size, extra_key);
           },
           "seq_id"_a, "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
           "Adds a sequence with its prompt and allocates its blocks. Returns the number of leading\n"
@@ -621,8 +688,9 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "peek_prefix",
           [](const BlockManager& b, nb::handle token_ids, std::uint64_t extra_key) {
-            const auto t = int_arg<std::int32_t>(token_ids, "peek_prefix", "token_ids");
-            return b.peek_prefix(t.ptr, t.size, extra_key);
+            const TokenArg t = token_arg(token_ids, "peek_prefix");
+            if (t.p64) return b.peek_prefix_int64(t.p64, t.size, extra_key);
+            return b.peek_prefix(t.i32.ptr, t.size, extra_key);
           },
           "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
           "What add_sequence(token_ids) would find in the prefix cache now, changing nothing (no\n"

@@ -727,4 +727,23 @@ PA_TEST(batch_fork_and_free_are_all_or_nothing) {
   m.check_invariants();
 }
 
+PA_TEST(int64_token_ids_are_narrowed_or_refused_before_any_change) {
+  BlockManager a = make(16, 4, true), b = make(16, 4, true);
+  const std::vector<std::int64_t> wide = {5, -3, 2147483647, -2147483648LL, 9, 9, 9, 9, 1};
+  std::vector<std::int32_t> narrow(wide.begin(), wide.end());
+  PA_CHECK_EQ(a.add_sequence_int64(1, wide.data(), 9), add(b, 1, narrow));
+  PA_CHECK(a.token_ids(1) == narrow && a.block_table(1) == b.block_table(1));
+  compute_all(a, {1});
+  compute_all(b, {1});
+  PA_CHECK_EQ(a.peek_prefix_int64(wide.data(), 9).cached_tokens, 8);
+  PA_CHECK_EQ(a.add_sequence_int64(2, wide.data(), 9), 8);
+  const Snapshot before = snap(a);
+  const std::vector<std::int64_t> bad = {1, 2, 2147483648LL};
+  PA_CHECK_THROWS(a.add_sequence_int64(3, bad.data(), 3), InvalidArgument);
+  PA_CHECK_THROWS(a.peek_prefix_int64(bad.data(), 3), InvalidArgument);
+  PA_CHECK_THROWS(a.add_sequence_int64(3, nullptr, 2), InvalidArgument);
+  PA_CHECK(snap(a) == before);
+  a.check_invariants();
+}
+
 int main() { return pagedattn_test::run_all(); }

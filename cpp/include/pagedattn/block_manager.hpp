@@ -177,6 +177,10 @@ class BlockManager {
   // Throws InvalidArgument (duplicate id), OutOfBlocks.
   std::int64_t add_sequence(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
                             std::uint64_t extra_key = 0);
+  // The same with int64 token ids [n] (each must fit in int32; InvalidArgument names the first
+  // that does not), read in one pass without a conversion by the caller.
+  std::int64_t add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
+                            std::uint64_t extra_key = 0);
   // Adds a sequence of n tokens whose ids are not given (prefix caching must be off: the
   // ids are never needed then). The same admission as add_sequence() without the copy of
   // the ids; token_ids() of the sequence (and of its forks) throws InvalidArgument.
@@ -226,6 +230,7 @@ class BlockManager {
   // What add_sequence(tokens, n, extra_key) would find in the prefix cache and take from the
   // pool, without changing anything (no statistics, no LRU order). tokens may be null (no hits).
   PrefixPeek peek_prefix(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
+  PrefixPeek peek_prefix_int64(const std::int64_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
   // Whether appending num_tokens tokens to the sequence would succeed (false while swapped out).
   bool can_append(std::int64_t seq_id, std::int64_t num_tokens = 1) const;
   // Whether a step appending one token to each of the (distinct) sequences would succeed.
