@@ -53,6 +53,9 @@ BlockManager::Impl::Impl(const BlockManagerOptions& options)
       cpu_pool(static_cast<std::int32_t>(options.num_cpu_blocks), false),
       cache(static_cast<std::int32_t>(options.num_blocks), options.block_size,
             options.enable_prefix_caching) {
+  if ((bs & (bs - 1)) == 0)
+    for (bs_shift = 0; (std::int64_t{1} << bs_shift) < bs; ++bs_shift) {
+    }
   const auto marks = static_cast<std::size_t>(std::max(options.num_blocks, options.num_cpu_blocks));
   block_mark.assign(marks, 0);
   block_stamp.assign(marks, 0);
@@ -299,7 +302,7 @@ void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::in
                                      std::int64_t* slots_out) {
   if (n <= 0) return;
   const auto len = static_cast<std::int64_t>(s.tokens.size());
-  if (len % bs != 0) {
+  if (offset_of(len) != 0) {
     std::int32_t& last = s.blocks.back();
     if (pool.ref(last) > 1) {  // never write a shared block
       const std::int32_t fresh = take_block();
@@ -311,8 +314,9 @@ void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::in
   }
   if (n == 1) {  // a decode token: no range insert
     s.tokens.push_back(*tokens);
-    if (len % bs == 0) s.blocks.push_back(take_block());
-    if (slots_out) *slots_out = static_cast<std::int64_t>(s.blocks.back()) * bs + len % bs;
+    const std::int64_t off = offset_of(len);
+    if (off == 0) s.blocks.push_back(take_block());
+    if (slots_out) *slots_out = static_cast<std::int64_t>(s.blocks.back()) * bs + off;
     return;
   }
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);

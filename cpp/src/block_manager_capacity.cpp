@@ -21,33 +21,31 @@ std::int64_t BlockManager::Impl::append_demand(const Seq& s, std::int64_t n) con
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   if (n > kMax - len) return kMax;  // more tokens than int64 can count: no pool serves it
   std::int64_t need = blocks_for(len + n) - static_cast<std::int64_t>(s.blocks.size());
-  if (len % bs != 0 && pool.ref(s.blocks.back()) > 1) ++need;  // copy-on-write
+  if (offset_of(len) != 0 && pool.ref(s.blocks.back()) > 1) ++need;  // copy-on-write
   return need;
 }
 
 std::int64_t BlockManager::Impl::batch_append_demand() const {
-  // One token per sequence in scratch_idx. Copy-on-write is counted exactly: when k
-  // sequences share a partly filled last block, the first k - 1 appenders copy it and the
-  // last one writes in place.
   next_block_stamp();
   std::int64_t need = 0;
-  for (const std::int32_t idx : scratch_idx) {
-    const Seq& s = seq_at(idx);
-    if (s.tokens.size() % static_cast<std::size_t>(bs) == 0) {
-      ++need;
-      continue;
-    }
-    const auto last = static_cast<std::size_t>(s.blocks.back());
-    if (block_stamp[last] != bstamp) {
-      block_stamp[last] = bstamp;
-      block_mark[last] = 0;
-    }
-    if (pool.ref(s.blocks.back()) - block_mark[last] > 1) {
-      ++need;
-      ++block_mark[last];
-    }
-  }
+  for (const std::int32_t idx : scratch_idx) need += append_one_demand(seq_at(idx));
   return need;
+}
+
+std::int64_t BlockManager::Impl::append_one_demand(const Seq& s) const {
+  // Copy-on-write is counted exactly: when k sequences of the batch share a partly filled
+  // last block, the first k - 1 appenders copy it and the last one writes in place.
+  if (offset_of(static_cast<std::int64_t>(s.tokens.size())) == 0) return 1;
+  const auto last = static_cast<std::size_t>(s.blocks.back());
+  if (block_stamp[last] != bstamp) {
+    block_stamp[last] = bstamp;
+    block_mark[last] = 0;
+  }
+  if (pool.ref(s.blocks.back()) - block_mark[last] > 1) {
+    ++block_mark[last];
+    return 1;
+  }
+  return 0;
 }
 
 std::int64_t BlockManager::Impl::distinct_blocks_of_scratch() const {

@@ -54,8 +54,12 @@ struct BlockManager::Impl {
   explicit Impl(const BlockManagerOptions& options);  // options already validated
 
   // ---- sequences (block_manager.cpp)
+  // Block index and offset of a token position >= 0 (a shift and a mask when the block size
+  // is a power of two: the hot paths divide by it once per sequence and step).
+  std::int64_t block_of(std::int64_t pos) const { return bs_shift >= 0 ? pos >> bs_shift : pos / bs; }
+  std::int64_t offset_of(std::int64_t pos) const { return bs_shift >= 0 ? pos & (bs - 1) : pos % bs; }
   // Overflow-free for every int64 n (n + bs - 1 would wrap near 2^63).
-  std::int64_t blocks_for(std::int64_t n) const { return n <= 0 ? 0 : n / bs + (n % bs != 0); }
+  std::int64_t blocks_for(std::int64_t n) const { return n <= 0 ? 0 : block_of(n) + (offset_of(n) != 0); }
   std::int32_t find(std::int64_t seq_id) const { return seq_map.find(static_cast<std::uint64_t>(seq_id)); }
   std::int32_t lookup(std::int64_t seq_id, const char* what) const;  // throws UnknownSequence
   Seq& seq_at(std::int32_t idx) { return seqs[static_cast<std::size_t>(idx)]; }
@@ -92,6 +96,9 @@ struct BlockManager::Impl {
   void release_chain(Seq& s);  // drops the sequence's references on its prefix nodes
 
   // ---- steps (block_manager_step.cpp)
+  // plan_step; with demand, also counts the blocks appending req.new_tokens takes (as
+  // batch_append_demand, in the same pass over the batch).
+  StepShape plan(const StepRequest& req, std::int64_t* demand) const;
   void release_window(Seq& s, std::int64_t first_query_pos);
 
   // ---- incremental export (block_manager_export.cpp)
@@ -105,12 +112,15 @@ struct BlockManager::Impl {
   // ---- demand (block_manager_capacity.cpp)
   std::int64_t append_demand(const Seq& s, std::int64_t n) const;
   std::int64_t batch_append_demand() const;  // over scratch_idx, one token each
+  // One sequence's share of batch_append_demand (after next_block_stamp()).
+  std::int64_t append_one_demand(const Seq& s) const;
   std::int64_t distinct_blocks_of_scratch() const;
   // Starts a new marking round over block_stamp (clearing it when the counter wraps).
   void next_block_stamp() const;
 
   BlockManagerOptions opt;
   std::int64_t bs = 16;
+  int bs_shift = -1;  // log2(bs) when bs is a power of two, else -1
   std::int64_t watermark_blocks = 0;
 
   BlockPool pool;      // GPU

@@ -22,14 +22,22 @@ void BlockManager::Impl::release_window(Seq& s, std::int64_t first_query_pos) {
   s.first_live_block = std::max(s.first_live_block, end);
 }
 
-StepShape BlockManager::plan_step(const StepRequest& req) const {
-  const Impl& d = *impl_;
+StepShape BlockManager::plan_step(const StepRequest& req) const { return impl_->plan(req, nullptr); }
+
+StepShape BlockManager::Impl::plan(const StepRequest& req, std::int64_t* demand) const {
+  const Impl& d = *this;
   d.resolve_batch(req.seq_ids, req.num_seqs, "step", false);
   StepShape shape;
   shape.num_seqs = req.num_seqs;
   const std::int64_t add = req.new_tokens ? 1 : 0;
+  const bool count = demand != nullptr && add;
+  if (count) {
+    *demand = 0;
+    d.next_block_stamp();
+  }
   for (std::int64_t i = 0; i < req.num_seqs; ++i) {
     const Impl::Seq& s = d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]);
+    if (count) *demand += d.append_one_demand(s);  // batch_append_demand, in the same pass
     const std::int64_t len = static_cast<std::int64_t>(s.tokens.size()) + add;
     const std::int64_t pending = len - s.num_computed;
     const std::int64_t q = req.query_lens ? req.query_lens[i] : pending;
@@ -47,7 +55,8 @@ StepShape BlockManager::plan_step(const StepRequest& req) const {
 StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   using namespace host_out;
   Impl& d = *impl_;
-  const StepShape shape = plan_step(req);  // resolves d.scratch_idx
+  std::int64_t need = 0;  // blocks the appends take (req.new_tokens)
+  const StepShape shape = d.plan(req, &need);  // resolves d.scratch_idx
   const char* what = "step";
   const std::int64_t n = req.num_seqs;
   const std::int64_t bs = d.bs;
@@ -70,7 +79,6 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
       d.opt.num_blocks * bs > std::numeric_limits<std::int32_t>::max())
     fail<InvalidArgument>(what, ": slot_mapping must be int64: slots reach ", d.opt.num_blocks * bs);
   if (req.new_tokens) {
-    const std::int64_t need = d.batch_append_demand();
     if (need > d.pool.num_available())
       fail<OutOfBlocks>("step: appending one token to each of ", n, " sequence(s) needs ", need,
                         " new block(s); ", d.pool.num_available(), " available");
@@ -98,7 +106,7 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
     if (d.opt.sliding_window > 0) d.release_window(s, ctx);
     if (out.slot_mapping && q == 1 && out.slot_mapping->dtype == DType::kInt64) {  // a decode token
       out.slot_mapping->ptr<std::int64_t>()[t * out.slot_mapping->strides[0]] =
-          static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(ctx / bs)]) * bs + ctx % bs;
+          static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(d.block_of(ctx))]) * bs + d.offset_of(ctx);
     } else if (out.slot_mapping) {
       for (std::int64_t pos = ctx; pos < ctx + q; ++pos)
         put_slot(*out.slot_mapping, t + pos - ctx,
