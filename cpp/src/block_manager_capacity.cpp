@@ -32,10 +32,7 @@ std::int64_t BlockManager::Impl::batch_append_demand() const {
   return need;
 }
 
-std::int64_t BlockManager::Impl::append_one_demand(const Seq& s) const {
-  // Copy-on-write is counted exactly: when k sequences of the batch share a partly filled
-  // last block, the first k - 1 appenders copy it and the last one writes in place.
-  if (offset_of(static_cast<std::int64_t>(s.tokens.size())) == 0) return 1;
+std::int64_t BlockManager::Impl::shared_append_demand(const Seq& s) const {
   const auto last = static_cast<std::size_t>(s.blocks.back());
   if (block_stamp[last] != bstamp) {
     block_stamp[last] = bstamp;

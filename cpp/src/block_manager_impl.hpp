@@ -25,19 +25,21 @@
 namespace pagedattn {
 
 struct BlockManager::Impl {
-  struct Seq {
-    std::int64_t id = 0;
+  // Field order matters: the first cache line holds what every step reads (a decode step
+  // over hundreds of sequences is bound by the cache lines it touches per sequence).
+  struct alignas(64) Seq {
+    std::vector<std::int32_t> blocks;  // GPU ids (CPU ids while swapped); -1 = released
+    std::vector<std::int32_t> tokens;
+    std::int64_t num_computed = 0;
     bool live = false;
     bool swapped = false;
-    std::int64_t num_computed = 0;
-    std::uint64_t extra_key = 0;
+    bool ids_known = true;            // false: admitted by count (add_sequence_by_count) or forked from one
+    std::int64_t export_row = -1;     // row of the remembered table it was last written to
+    std::int64_t dirty_from = 0;      // entries [dirty_from, ...) changed since that write
+    std::uint64_t uid = 0;            // unique over the manager's life (incremental export)
     std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
-    bool ids_known = true;              // false: admitted by count (add_sequence_by_count) or forked from one
-    std::uint64_t uid = 0;              // unique over the manager's life (incremental export)
-    std::int64_t export_row = -1;       // row of the remembered table it was last written to
-    std::int64_t dirty_from = 0;        // entries [dirty_from, ...) changed since that write
-    std::vector<std::int32_t> blocks;   // GPU ids (CPU ids while swapped); -1 = released
-    std::vector<std::int32_t> tokens;
+    std::int64_t id = 0;
+    std::uint64_t extra_key = 0;
     std::vector<PrefixCache::Link> chain;  // prefix nodes of blocks [0, chain.size()) (caching only; held)
   };
 
@@ -112,8 +114,15 @@ struct BlockManager::Impl {
   // ---- demand (block_manager_capacity.cpp)
   std::int64_t append_demand(const Seq& s, std::int64_t n) const;
   std::int64_t batch_append_demand() const;  // over scratch_idx, one token each
-  // One sequence's share of batch_append_demand (after next_block_stamp()).
-  std::int64_t append_one_demand(const Seq& s) const;
+  // One sequence's share of batch_append_demand (after next_block_stamp()). Copy-on-write
+  // is counted exactly: when k sequences of the batch share a partly filled last block, the
+  // first k - 1 appenders copy it and the last one writes in place.
+  std::int64_t append_one_demand(const Seq& s) const {
+    if (offset_of(static_cast<std::int64_t>(s.tokens.size())) == 0) return 1;  // a new block
+    if (pool.ref(s.blocks.back()) == 1) return 0;  // held by this sequence alone: written in place
+    return shared_append_demand(s);
+  }
+  std::int64_t shared_append_demand(const Seq& s) const;  // the last block is shared
   std::int64_t distinct_blocks_of_scratch() const;
   // Starts a new marking round over block_stamp (clearing it when the counter wraps).
   void next_block_stamp() const;

@@ -25,29 +25,52 @@ void BlockManager::Impl::release_window(Seq& s, std::int64_t first_query_pos) {
 StepShape BlockManager::plan_step(const StepRequest& req) const { return impl_->plan(req, nullptr); }
 
 StepShape BlockManager::Impl::plan(const StepRequest& req, std::int64_t* demand) const {
+  // One pass: resolve the ids (as resolve_batch), count the append demand, size the step.
+  // The errors are those of resolve_batch followed by a pass over the query lengths: an
+  // id error anywhere wins over a query-length error, so the latter waits for the end.
   const Impl& d = *this;
-  d.resolve_batch(req.seq_ids, req.num_seqs, "step", false);
+  const std::int64_t n = req.num_seqs;
+  if (n < 0) fail<InvalidArgument>("step: negative batch size ", n);
+  scratch_idx.resize(static_cast<std::size_t>(n));
+  if (++stamp == 0) {
+    std::fill(seq_stamp.begin(), seq_stamp.end(), 0u);
+    stamp = 1;
+  }
   StepShape shape;
-  shape.num_seqs = req.num_seqs;
+  shape.num_seqs = n;
   const std::int64_t add = req.new_tokens ? 1 : 0;
   const bool count = demand != nullptr && add;
   if (count) {
     *demand = 0;
     d.next_block_stamp();
   }
-  for (std::int64_t i = 0; i < req.num_seqs; ++i) {
-    const Impl::Seq& s = d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]);
+  std::int64_t bad_query = -1;  // the first sequence whose query length is out of range
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int32_t idx = lookup(req.seq_ids[i], "step");
+    const Seq& s = seq_at(idx);
+    if (seq_stamp[static_cast<std::size_t>(idx)] == stamp)
+      fail<InvalidArgument>("step: sequence id ", req.seq_ids[i], " appears more than once in the batch");
+    seq_stamp[static_cast<std::size_t>(idx)] = stamp;
+    if (s.swapped) fail<InvalidArgument>("step: sequence id ", req.seq_ids[i], " is swapped out; swap_in() it first");
+    scratch_idx[static_cast<std::size_t>(i)] = idx;
     if (count) *demand += d.append_one_demand(s);  // batch_append_demand, in the same pass
     const std::int64_t len = static_cast<std::int64_t>(s.tokens.size()) + add;
     const std::int64_t pending = len - s.num_computed;
     const std::int64_t q = req.query_lens ? req.query_lens[i] : pending;
-    if (q < 0 || q > pending)
-      fail<InvalidArgument>("step: query_lens[", i, "] = ", q, " for sequence id ", s.id, " is outside [0, ",
-                            pending, "] (tokens not yet computed)");
+    if (q < 0 || q > pending) {
+      if (bad_query < 0) bad_query = i;
+      continue;
+    }
     shape.num_tokens += q;
     shape.max_blocks = std::max(shape.max_blocks, d.blocks_for(len));
     shape.max_seq_len = std::max(shape.max_seq_len, s.num_computed + q);
     shape.max_query_len = std::max(shape.max_query_len, q);
+  }
+  if (bad_query >= 0) {
+    const Seq& s = seq_at(scratch_idx[static_cast<std::size_t>(bad_query)]);
+    const std::int64_t pending = static_cast<std::int64_t>(s.tokens.size()) + add - s.num_computed;
+    fail<InvalidArgument>("step: query_lens[", bad_query, "] = ", req.query_lens[bad_query], " for sequence id ", s.id,
+                          " is outside [0, ", pending, "] (tokens not yet computed)");
   }
   return shape;
 }
