@@ -128,6 +128,12 @@ void BlockManager::Impl::resolve_ids(const std::int64_t* seq_ids, std::int64_t n
   }
 }
 
+void BlockManager::Impl::reserve_free_slots(std::int64_t n) {
+  const std::size_t want = free_seq_slots.size() + static_cast<std::size_t>(n);
+  if (want > free_seq_slots.capacity())  // geometric growth: one reservation per free would copy every time
+    free_seq_slots.reserve(std::max(want, 2 * free_seq_slots.capacity()));
+}
+
 std::int32_t BlockManager::Impl::new_slot_index() {
   if (!free_seq_slots.empty()) {
     const std::int32_t idx = free_seq_slots.back();
@@ -453,15 +459,14 @@ void BlockManager::Impl::free_at(std::int32_t idx) {
 void BlockManager::free(std::int64_t seq_id) {
   Impl& d = *impl_;
   const std::int32_t idx = d.lookup(seq_id, "free");
-  d.free_seq_slots.reserve(d.free_seq_slots.size() + 1);  // nothing below can throw
+  d.reserve_free_slots(1);  // nothing below can throw
   d.free_at(idx);
 }
 
 void BlockManager::free_batch(const std::int64_t* seq_ids, std::int64_t n) {
   Impl& d = *impl_;
   d.resolve_ids(seq_ids, n, "free_batch", -1);
-  // free_seq_slots grows by n: reserve first so that nothing below can throw.
-  d.free_seq_slots.reserve(d.free_seq_slots.size() + static_cast<std::size_t>(n));
+  d.reserve_free_slots(n);  // nothing below can throw
   for (std::int64_t i = 0; i < n; ++i) d.free_at(d.scratch_idx[static_cast<std::size_t>(i)]);
 }
 

@@ -86,6 +86,8 @@ struct BlockManager::Impl {
   void free_at(std::int32_t idx);
   static void mark_dirty(Seq& s, std::int64_t entry) { s.dirty_from = std::min(s.dirty_from, entry); }
   std::int32_t new_slot_index();
+  // Room for n more entries of free_seq_slots, so that a free cannot fail half way.
+  void reserve_free_slots(std::int64_t n);
   std::int32_t take_block();
   void release_block(std::int32_t b) { pool.release(b, cache.is_registered(b)); }
   void append_into(Seq& s, const std::int32_t* tokens, std::int64_t n, std::int64_t* slots_out);

@@ -116,10 +116,25 @@ inline bool compact_int(PyObject* o, long long* v) {
 
 // Reads a 1-D integer argument into T (int32 for token ids, int64 for ids and lengths).
 template <class T>
+IntArg<T> int_arg_from_array(const nb::ndarray<nb::ro>& arr, const char* what, const char* name);
+template <class T>
+IntArg<T> int_arg_from_sequence(nb::handle h, const char* what, const char* name);
+
+template <class T>
 IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   IntArg<T> a;
   nb::ndarray<nb::ro> arr;
-  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, arr, false)) {
+  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, arr, false))
+    return int_arg_from_array<T>(arr, what, name);
+  return int_arg_from_sequence<T>(h, what, name);
+}
+
+// A 1-D host integer array (any width, any stride): read in place when it already holds T
+// contiguously, else converted with range checks.
+template <class T>
+IntArg<T> int_arg_from_array(const nb::ndarray<nb::ro>& arr, const char* what, const char* name) {
+  IntArg<T> a;
+  {
     if (arr.device_type() != nb::device::cpu::value)
       fail<TypeMismatch>(what, ": ", name, " must be a host (CPU) array");
     if (arr.ndim() != 1) fail<InvalidArgument>(what, ": ", name, " must be 1-D, got ", arr.ndim(), " dimensions");
@@ -152,6 +167,12 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
     }
     return a;
   }
+}
+
+// A Python sequence of ints (lists, tuples, ranges, NumPy integer scalars).
+template <class T>
+IntArg<T> int_arg_from_sequence(nb::handle h, const char* what, const char* name) {
+  IntArg<T> a;
   if (PyLong_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr()))
     fail<TypeMismatch>(what, ": ", name, " must be a sequence of ints or a 1-D integer array, got ",
                        nb::inst_name(h).c_str());
@@ -216,8 +237,11 @@ TokenArg token_arg(nb::handle h, const char* what) {
       t.size = static_cast<std::int64_t>(t.keep.shape(0));
       return t;
     }
+    t.i32 = int_arg_from_array<std::int32_t>(t.keep, what, "token_ids");  // cast once
+    t.size = t.i32.size;
+    return t;
   }
-  t.i32 = int_arg<std::int32_t>(h, what, "token_ids");
+  t.i32 = int_arg_from_sequence<std::int32_t>(h, what, "token_ids");
   t.size = t.i32.size;
   return t;
 }
@@ -436,7 +460,8 @@ std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id)
 
 void bind_block_manager(nb::module_& m) {
   nb::class_<StepMetadata>(m, "StepMetadata",
-                           "Everything a forward pass needs for one step (see BlockManager.step).\n\n"
+                           "Everything a forward pass needs for one step (see BlockManager.step; step_into\n"
+                           "returns the caller's buffers here, None where none was given).\n\n"
                            "Arrays: block_tables int32 [S, M] (padded), seq_lens int32 [S] (context + query),\n"
                            "context_lens int32 [S] (tokens computed before the step), query_start_loc int32 [S+1],\n"
                            "slot_mapping int64 [T] (slot of every scheduled token, sequence by sequence),\n"
