@@ -114,10 +114,27 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
                               out.query_start_loc, out.slot_mapping})
     if (t) d.forget_table_if_overlapping(*t);  // a full write into the remembered table
 
-  // Nothing below can fail.
+  // Nothing below can fail. The outputs' pointers and strides are read once: stores through
+  // an int32 pointer could alias a TensorView's fields, so the compiler would reload them.
+  struct Out32 {
+    std::int32_t* p = nullptr;
+    std::int64_t st = 0;
+    explicit Out32(const TensorView* v) : p(v ? v->ptr<std::int32_t>() : nullptr), st(v ? v->strides[0] : 0) {}
+    void put(std::int64_t i, std::int64_t value) const {
+      if (p) p[i * st] = static_cast<std::int32_t>(value);
+    }
+  };
+  const Out32 seq_lens(out.seq_lens), context_lens(out.context_lens), qsl(out.query_start_loc);
+  std::int64_t* slots64 = nullptr;
+  std::int64_t slots_st = 0;
+  if (out.slot_mapping && out.slot_mapping->dtype == DType::kInt64) {
+    slots64 = out.slot_mapping->ptr<std::int64_t>();
+    slots_st = out.slot_mapping->strides[0];
+  }
   const bool caching = d.cache.enabled();
+  const bool window = d.opt.sliding_window > 0;
   std::int64_t t = 0;  // tokens scheduled so far
-  if (out.query_start_loc) at32(*out.query_start_loc, 0) = 0;
+  qsl.put(0, 0);
   if (req.new_tokens)  // all allocations first, then the schedule (which may register blocks)
     for (std::int64_t i = 0; i < n; ++i)
       d.append_into(d.seq_at(d.scratch_idx[static_cast<std::size_t>(i)]), req.new_tokens + i, 1, nullptr);
@@ -126,9 +143,9 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
     const auto len = static_cast<std::int64_t>(s.tokens.size());
     const std::int64_t ctx = s.num_computed;
     const std::int64_t q = req.query_lens ? req.query_lens[i] : len - ctx;
-    if (d.opt.sliding_window > 0) d.release_window(s, ctx);
-    if (out.slot_mapping && q == 1 && out.slot_mapping->dtype == DType::kInt64) {  // a decode token
-      out.slot_mapping->ptr<std::int64_t>()[t * out.slot_mapping->strides[0]] =
+    if (window) d.release_window(s, ctx);
+    if (slots64 && q == 1) {  // a decode token
+      slots64[t * slots_st] =
           static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(d.block_of(ctx))]) * bs + d.offset_of(ctx);
     } else if (out.slot_mapping) {
       for (std::int64_t pos = ctx; pos < ctx + q; ++pos)
@@ -136,13 +153,18 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
                  static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(pos / bs)]) * bs + pos % bs);
     }
     t += q;
-    if (out.query_start_loc) at32(*out.query_start_loc, i + 1) = static_cast<std::int32_t>(t);
-    if (incremental)
-      d.write_row_incremental(*out.block_tables, i, s);
-    else if (out.block_tables)
+    qsl.put(i + 1, t);
+    if (incremental) {
+      // Most decode steps change nothing in a row (a new block every block_size tokens).
+      const auto r = static_cast<std::size_t>(i);
+      const auto nb = static_cast<std::int64_t>(s.blocks.size());
+      if (!(d.track.row_uid[r] == s.uid && s.export_row == i && d.track.row_len[r] == nb && s.dirty_from >= nb))
+        d.write_row_incremental(*out.block_tables, i, s);
+    } else if (out.block_tables) {
       write_row(*out.block_tables, i, s.blocks, out.pad);
-    if (out.seq_lens) at32(*out.seq_lens, i) = static_cast<std::int32_t>(ctx + q);
-    if (out.context_lens) at32(*out.context_lens, i) = static_cast<std::int32_t>(ctx);
+    }
+    seq_lens.put(i, ctx + q);
+    context_lens.put(i, ctx);
     s.num_computed = ctx + q;
     if (caching) d.register_full_blocks(s);
   }
