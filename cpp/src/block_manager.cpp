@@ -223,11 +223,12 @@ void BlockManager::Impl::narrow_tokens(const std::int64_t* tokens, std::int64_t 
   if (ok) return;
   for (std::int64_t i = 0; i < n; ++i)
     if (tokens[i] != static_cast<std::int32_t>(tokens[i]))
-      fail<InvalidArgument>(what, ": token_ids[", i, "] = ", tokens[i], " does not fit in 32-bit signed integers");
+      fail<InvalidArgument>(what, ": token_ids[", i, "] = ", tokens[i],
+                            " does not fit in 32-bit signed integers");
 }
 
 std::int64_t BlockManager::add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
-                                        std::uint64_t extra_key) {
+                                              std::uint64_t extra_key) {
   std::vector<std::int32_t> narrowed;
   Impl::narrow_tokens(tokens, n, narrowed, "add_sequence");
   return impl_->admit(seq_id, narrowed.data(), n, extra_key, "add_sequence");
@@ -371,9 +372,11 @@ void BlockManager::append_tokens_batch(const std::int64_t* seq_ids, std::int64_t
                   slots_out ? slots_out + i : nullptr);
 }
 
-void BlockManager::Impl::check_forkable(std::int64_t parent_id, std::int64_t child_id, const char* what) const {
+void BlockManager::Impl::check_forkable(std::int64_t parent_id, std::int64_t child_id,
+                                        const char* what) const {
   const Seq& p = seq_at(lookup(parent_id, what));
-  if (p.swapped) fail<InvalidArgument>(what, ": parent sequence id ", parent_id, " is swapped out; swap_in() it first");
+  if (p.swapped)
+    fail<InvalidArgument>(what, ": parent sequence id ", parent_id, " is swapped out; swap_in() it first");
   if (find(child_id) >= 0) fail<InvalidArgument>(what, ": child sequence id ", child_id, " already exists");
   if (p.num_computed != static_cast<std::int64_t>(p.tokens.size()))
     fail<InvalidArgument>(what, ": parent sequence id ", parent_id, " has ",

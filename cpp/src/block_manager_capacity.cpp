@@ -69,7 +69,8 @@ bool BlockManager::can_allocate(const std::int32_t* tokens, std::int64_t n, std:
   return d.blocks_for(n) - hits <= d.pool.num_available() - from_lru - d.watermark_blocks;
 }
 
-PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key) const {
+PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n,
+                                     std::uint64_t extra_key) const {
   const Impl& d = *impl_;
   if (n < 0) fail<InvalidArgument>("peek_prefix: num_tokens = ", n, " must be >= 0");
   std::int64_t from_lru = 0;
@@ -82,7 +83,8 @@ PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n,
   return p;
 }
 
-PrefixPeek BlockManager::peek_prefix_int64(const std::int64_t* tokens, std::int64_t n, std::uint64_t extra_key) const {
+PrefixPeek BlockManager::peek_prefix_int64(const std::int64_t* tokens, std::int64_t n,
+                                           std::uint64_t extra_key) const {
   if (tokens == nullptr) return peek_prefix(nullptr, n);
   std::vector<std::int32_t> narrowed;
   Impl::narrow_tokens(tokens, n, narrowed, "peek_prefix");

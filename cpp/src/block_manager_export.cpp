@@ -21,7 +21,8 @@ using host_out::check_int32;
 void BlockManager::Impl::track_table(const TensorView& t, std::int32_t pad) const {
   ExportTrack& k = track;
   const std::int64_t rows = t.shape[0], cols = t.shape[1], s0 = t.strides[0], s1 = t.strides[1];
-  if (k.data == t.data && k.rows == rows && k.cols == cols && k.s0 == s0 && k.s1 == s1 && k.pad == pad) return;
+  if (k.data == t.data && k.rows == rows && k.cols == cols && k.s0 == s0 && k.s1 == s1 && k.pad == pad)
+    return;
   // A row's entries must be its own: the row state would be wrong if two rows shared memory.
   const std::int64_t a = std::llabs(s0), b = std::llabs(s1);
   const bool row_major = (cols <= 1 || b >= 1) && (rows <= 1 || a >= (cols - 1) * b + 1);

@@ -5,7 +5,7 @@
 //   block_manager_step.cpp        plan_step / step: the scheduler step and its metadata, sliding window
 //   block_manager_capacity.cpp    block demand of a request and the can_* queries
 //   block_manager_swap.cpp        swap_out / swap_in planning
-//   block_manager_export.cpp      block tables (full and incremental), sequence lengths, CSR page tables, slots
+//   block_manager_export.cpp      block tables (full, incremental), lengths, CSR page tables, slots
 //   block_manager_invariants.cpp  check_invariants
 //   block_pool.hpp                reference counts, free list, LRU of evictable cached blocks
 //   prefix_cache.hpp              block hash, prefix-node tree, registry and exact prefix lookup
@@ -33,10 +33,10 @@ struct BlockManager::Impl {
     std::int64_t num_computed = 0;
     bool live = false;
     bool swapped = false;
-    bool ids_known = true;            // false: admitted by count (add_sequence_by_count) or forked from one
-    std::int64_t export_row = -1;     // row of the remembered table it was last written to
-    std::int64_t dirty_from = 0;      // entries [dirty_from, ...) changed since that write
-    std::uint64_t uid = 0;            // unique over the manager's life (incremental export)
+    bool ids_known = true;              // false: admitted by count (add_sequence_by_count) or forked from one
+    std::int64_t export_row = -1;       // row of the remembered table it was last written to
+    std::int64_t dirty_from = 0;        // entries [dirty_from, ...) changed since that write
+    std::uint64_t uid = 0;              // unique over the manager's life (incremental export)
     std::int64_t first_live_block = 0;  // sliding window: blocks before it are released
     std::int64_t id = 0;
     std::uint64_t extra_key = 0;

@@ -51,7 +51,8 @@ StepShape BlockManager::Impl::plan(const StepRequest& req, std::int64_t* demand)
     if (seq_stamp[static_cast<std::size_t>(idx)] == stamp)
       fail<InvalidArgument>("step: sequence id ", req.seq_ids[i], " appears more than once in the batch");
     seq_stamp[static_cast<std::size_t>(idx)] = stamp;
-    if (s.swapped) fail<InvalidArgument>("step: sequence id ", req.seq_ids[i], " is swapped out; swap_in() it first");
+    if (s.swapped)
+      fail<InvalidArgument>("step: sequence id ", req.seq_ids[i], " is swapped out; swap_in() it first");
     scratch_idx[static_cast<std::size_t>(i)] = idx;
     if (count) *demand += d.append_one_demand(s);  // batch_append_demand, in the same pass
     const std::int64_t len = static_cast<std::int64_t>(s.tokens.size()) + add;
@@ -69,8 +70,9 @@ StepShape BlockManager::Impl::plan(const StepRequest& req, std::int64_t* demand)
   if (bad_query >= 0) {
     const Seq& s = seq_at(scratch_idx[static_cast<std::size_t>(bad_query)]);
     const std::int64_t pending = static_cast<std::int64_t>(s.tokens.size()) + add - s.num_computed;
-    fail<InvalidArgument>("step: query_lens[", bad_query, "] = ", req.query_lens[bad_query], " for sequence id ", s.id,
-                          " is outside [0, ", pending, "] (tokens not yet computed)");
+    fail<InvalidArgument>("step: query_lens[", bad_query, "] = ", req.query_lens[bad_query],
+                          " for sequence id ", s.id, " is outside [0, ", pending,
+                          "] (tokens not yet computed)");
   }
   return shape;
 }
@@ -78,7 +80,7 @@ StepShape BlockManager::Impl::plan(const StepRequest& req, std::int64_t* demand)
 StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   using namespace host_out;
   Impl& d = *impl_;
-  std::int64_t need = 0;  // blocks the appends take (req.new_tokens)
+  std::int64_t need = 0;                       // blocks the appends take (req.new_tokens)
   const StepShape shape = d.plan(req, &need);  // resolves d.scratch_idx
   const char* what = "step";
   const std::int64_t n = req.num_seqs;
@@ -119,7 +121,8 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
   struct Out32 {
     std::int32_t* p = nullptr;
     std::int64_t st = 0;
-    explicit Out32(const TensorView* v) : p(v ? v->ptr<std::int32_t>() : nullptr), st(v ? v->strides[0] : 0) {}
+    explicit Out32(const TensorView* v)
+        : p(v ? v->ptr<std::int32_t>() : nullptr), st(v ? v->strides[0] : 0) {}
     void put(std::int64_t i, std::int64_t value) const {
       if (p) p[i * st] = static_cast<std::int32_t>(value);
     }
@@ -146,7 +149,8 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
     if (window) d.release_window(s, ctx);
     if (slots64 && q == 1) {  // a decode token
       slots64[t * slots_st] =
-          static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(d.block_of(ctx))]) * bs + d.offset_of(ctx);
+          static_cast<std::int64_t>(s.blocks[static_cast<std::size_t>(d.block_of(ctx))]) * bs +
+          d.offset_of(ctx);
     } else if (out.slot_mapping) {
       for (std::int64_t pos = ctx; pos < ctx + q; ++pos)
         put_slot(*out.slot_mapping, t + pos - ctx,
@@ -158,7 +162,8 @@ StepShape BlockManager::step(const StepRequest& req, const StepOutputs& out) {
       // Most decode steps change nothing in a row (a new block every block_size tokens).
       const auto r = static_cast<std::size_t>(i);
       const auto nb = static_cast<std::int64_t>(s.blocks.size());
-      if (!(d.track.row_uid[r] == s.uid && s.export_row == i && d.track.row_len[r] == nb && s.dirty_from >= nb))
+      if (!(d.track.row_uid[r] == s.uid && s.export_row == i && d.track.row_len[r] == nb &&
+            s.dirty_from >= nb))
         d.write_row_incremental(*out.block_tables, i, s);
     } else if (out.block_tables) {
       write_row(*out.block_tables, i, s.blocks, out.pad);

@@ -42,8 +42,8 @@ inline void check_vec(const TensorView* t, const char* what, const char* name, s
     fail<TypeMismatch>(what, ": ", name, " must be ", allow_int64 ? "int64 or int32" : "int32", ", got ",
                        dtype_name(t->dtype));
   if (t->ndim != 1 || (at_least ? t->shape[0] < len : t->shape[0] != len))
-    fail<InvalidArgument>(what, ": ", name, " must have shape [", at_least ? "L" : "", at_least ? "] with L >= " : "",
-                          len, at_least ? "" : "]", ", got ", t->shape_str());
+    fail<InvalidArgument>(what, ": ", name, " must have shape [", at_least ? "L" : "",
+                          at_least ? "] with L >= " : "", len, at_least ? "" : "]", ", got ", t->shape_str());
 }
 
 // An int32 block table [rows, M] with M >= min_cols (with at_least: [R, M], R >= rows); null =
@@ -56,8 +56,8 @@ inline void check_table(const TensorView* t, const char* what, std::int64_t rows
     fail<TypeMismatch>(what, ": block_tables must be int32, got ", dtype_name(t->dtype));
   if (t->ndim != 2 || (at_least ? t->shape[0] < rows : t->shape[0] != rows) || t->shape[1] < min_cols) {
     if (at_least)
-      fail<InvalidArgument>(what, ": block_tables must have shape [R, M] with R >= ", rows, " and M >= ", min_cols,
-                            ", got ", t->shape_str());
+      fail<InvalidArgument>(what, ": block_tables must have shape [R, M] with R >= ", rows,
+                            " and M >= ", min_cols, ", got ", t->shape_str());
     fail<InvalidArgument>(what, ": block_tables must have shape [", rows, ", M] with M >= ", min_cols,
                           ", got ", t->shape_str());
   }

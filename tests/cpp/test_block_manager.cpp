@@ -554,11 +554,13 @@ std::vector<std::int32_t> step_rows(BlockManager& m, const std::vector<std::int6
   out.persistent = true;
   out.incremental = incremental;
   m.step(r, out);
-  return std::vector<std::int32_t>(table.begin(), table.begin() + static_cast<std::ptrdiff_t>(ids.size() * cols));
+  return std::vector<std::int32_t>(table.begin(),
+                                   table.begin() + static_cast<std::ptrdiff_t>(ids.size() * cols));
 }
 
 // What a full rewrite of the batch's rows holds.
-std::vector<std::int32_t> full_rows(const BlockManager& m, const std::vector<std::int64_t>& ids, std::int64_t cols) {
+std::vector<std::int32_t> full_rows(const BlockManager& m, const std::vector<std::int64_t>& ids,
+                                    std::int64_t cols) {
   std::vector<std::int32_t> rows;
   for (const std::int64_t id : ids) {
     const auto& t = m.block_table(id);

@@ -180,7 +180,7 @@ class BlockManager {
   // The same with int64 token ids [n] (each must fit in int32; InvalidArgument names the first
   // that does not), read in one pass without a conversion by the caller.
   std::int64_t add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
-                            std::uint64_t extra_key = 0);
+                                  std::uint64_t extra_key = 0);
   // Adds a sequence of n tokens whose ids are not given (prefix caching must be off: the
   // ids are never needed then). The same admission as add_sequence() without the copy of
   // the ids; token_ids() of the sequence (and of its forks) throws InvalidArgument.
