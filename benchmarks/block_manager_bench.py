@@ -1,7 +1,14 @@
 """Block-manager benchmark: pagedattn.BlockManager (C++, through Python) against the pure-Python
-reference manager, and the memory-efficiency simulation (paged against contiguous allocation).
+reference manager, the scheduler's calls in the shape of a serving engine, and the
+memory-efficiency simulation (paged against contiguous allocation).
 
-    python benchmarks/block_manager_bench.py [--quick] [--json]
+    python benchmarks/block_manager_bench.py [--quick] [--json] [--only scheduler]
+
+The scheduler rows (run_scheduler_benchmarks) use the shape of an engine with persistent
+metadata buffers: 256 running sequences with 512-token prompts, a block table 512 entries
+wide (CUDA-graph style, sized for the longest sequence), every decode step writing the block
+table, seq_lens, context_lens, query_start_loc and slot_mapping. Rows that need calls an
+older build lacks are left out, so the same script times two builds (A/B).
 
 Run it from a checkout against the installed package. The pure-Python baseline is the reference
 manager the tests compare the C++ manager with (tests/python/harness/reference_block_manager.py):
@@ -72,6 +79,108 @@ def _decode_case(make, n_seqs: int, prompt: int, steps: int, out_arrays: bool, r
             m.step(ids, toks)
 
     return _median_us(step, steps)
+
+
+def _decode_manager(caching: bool, n_seqs: int = 256, prompt: int = 512):
+    import numpy as np
+
+    m = pagedattn.BlockManager(32768, 16, enable_prefix_caching=caching)
+    rng = np.random.default_rng(0)
+    for i in range(n_seqs):
+        m.add_sequence(i, rng.integers(0, 32000, prompt).astype(np.int32))
+    ids = np.arange(n_seqs, dtype=np.int64)
+    m.step(ids)
+    return m, ids, rng.integers(0, 32000, n_seqs).astype(np.int32)
+
+
+def run_scheduler_benchmarks(quick: bool = False) -> dict:
+    """A serving engine's calls: the decode step with its metadata (256 x 512 table), admission
+    of a 2048-token prompt from each input kind, the cached-prefix peek, batch free / fork.
+    Returns a dict of µs (medians of single calls)."""
+    import numpy as np
+
+    BlockManager = pagedattn.BlockManager
+    steps = 50 if quick else 300
+    width = 512
+    res = {}
+    new_api = hasattr(BlockManager, "step_into")
+    for caching in (False, True):
+        tag = "cache_on" if caching else "cache_off"
+        m, ids, toks = _decode_manager(caching)
+        res[f"decode256_w512_step_new_arrays_{tag}"] = _median_us(lambda: m.step(ids, toks, max_blocks=width), steps)  # noqa: B023
+        m, ids, toks = _decode_manager(caching)
+        exact = dict(block_tables=np.zeros((256, width), np.int32), seq_lens=np.zeros(256, np.int32),
+                     context_lens=np.zeros(256, np.int32), query_start_loc=np.zeros(257, np.int32),
+                     slot_mapping=np.zeros(256, np.int64))
+        res[f"decode256_w512_step_exact_out_{tag}"] = _median_us(lambda: m.step(ids, toks, **exact), steps)  # noqa: B023
+        if not new_api:
+            continue
+        # Persistent buffers sized for a larger batch (512 rows, 8192 tokens): filled up to need.
+        persistent = dict(block_tables=np.zeros((512, width), np.int32), seq_lens=np.zeros(512, np.int32),
+                          context_lens=np.zeros(512, np.int32), query_start_loc=np.zeros(513, np.int32),
+                          slot_mapping=np.zeros(8192, np.int64))
+        for name, incremental in (("incremental", True), ("full", False)):
+            m, ids, toks = _decode_manager(caching)
+            res[f"decode256_w512_step_into_{name}_{tag}"] = _median_us(
+                lambda: m.step_into(ids, toks, incremental=incremental, **persistent), steps  # noqa: B023
+            )
+        m, ids, toks = _decode_manager(caching)
+        res[f"decode256_step_into_no_export_{tag}"] = _median_us(lambda: m.step_into(ids, toks), steps)  # noqa: B023
+
+    reps = 20 if quick else 200
+    prompt = np.random.default_rng(1).integers(0, 32000, 2048)
+    kinds = {"list": prompt.tolist(), "int32": prompt.astype(np.int32), "int64": prompt.astype(np.int64)}
+    for kind, arg in kinds.items():
+        m = BlockManager(32768, 16)
+        counter = iter(range(10**9))
+        res[f"alloc2048_{kind}_cache_off"] = _median_us(lambda: m.add_sequence(next(counter), arg), reps)  # noqa: B023
+    if new_api:
+        m = BlockManager(32768, 16)
+        counter = iter(range(10**9))
+        res["alloc2048_by_count_cache_off"] = _median_us(lambda: m.add_sequence_by_count(next(counter), 2048), reps)
+        m = BlockManager(32768, 16, enable_prefix_caching=True)
+        m.add_sequence(0, kinds["int32"])
+        m.step([0])
+        res["peek_prefix2048_cached_int32"] = _median_us(lambda: m.peek_prefix(kinds["int32"]), reps)
+        res["peek_prefix2048_cached_list"] = _median_us(lambda: m.peek_prefix(kinds["list"]), reps)
+
+    # Finishing 64 sequences of 2048 tokens: one call against 64.
+    for name in ("free_x64", "free_batch_x64") if new_api else ("free_x64",):
+        times = []
+        for r in range(max(5, reps // 10)):
+            m = BlockManager(32768, 16)
+            for i in range(64):
+                m.add_sequence_by_count(i, 2048) if new_api else m.add_sequence(i, kinds["int32"])
+            import time
+
+            batch = np.arange(64, dtype=np.int64)
+            t0 = time.perf_counter_ns()
+            if name == "free_batch_x64":
+                m.free_batch(batch)
+            else:
+                for i in range(64):
+                    m.free(i)
+            times.append(time.perf_counter_ns() - t0)
+        times.sort()
+        res[name] = times[len(times) // 2] / 1000.0
+    # Forking 8 children of a 33-block sequence (n > 1 sampling): 8 calls against one.
+    m = BlockManager(32768, 16)
+    m.add_sequence(0, kinds["int32"][:520])
+    m.step([0])
+    groups = iter([list(range(1 + 8 * j, 9 + 8 * j)) for j in range(reps)])
+
+    def fork_each():
+        for c in next(groups):  # noqa: B023
+            m.fork(0, c)  # noqa: B023
+
+    res["fork33_x8"] = _median_us(fork_each, reps)
+    if new_api:
+        m = BlockManager(32768, 16)  # the same state as the row above started from
+        m.add_sequence(0, kinds["int32"][:520])
+        m.step([0])
+        batches = iter([np.arange(10**6 + 8 * j, 10**6 + 8 * j + 8, dtype=np.int64) for j in range(reps)])
+        res["fork_batch33_x8"] = _median_us(lambda: m.fork_batch(0, next(batches)), reps)  # noqa: B023
+    return res
 
 
 def run_benchmarks(quick: bool = False) -> dict:
@@ -293,15 +402,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--only", choices=("scheduler",), help="run only the scheduler rows")
     args = p.parse_args(argv)
+    sched = run_scheduler_benchmarks(args.quick)
+    if args.only == "scheduler":
+        print(json.dumps({"scheduler": sched}, indent=2) if args.json else
+              "\n".join(f"{k:44s} {v:12.2f}" for k, v in sched.items()))
+        return
     bench = run_benchmarks(args.quick)
     sim = simulate_memory_efficiency(num_requests=500 if args.quick else 2000)
     if args.json:
-        print(json.dumps({"bench": bench, "simulation": sim}, indent=2))
+        print(json.dumps({"bench": bench, "scheduler": sched, "simulation": sim}, indent=2))
         return
     print(f"# block manager benchmark ({platform.machine()}, python {platform.python_version()})")
     for k, v in bench.items():
-        print(f"{k:40s} {v:12.2f}")
+        print(f"{k:44s} {v:12.2f}")
+    print("# scheduler calls")
+    for k, v in sched.items():
+        print(f"{k:44s} {v:12.2f}")
     print("# memory efficiency")
     for k, v in sim.items():
         print(k, {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()})

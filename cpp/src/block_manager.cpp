@@ -53,6 +53,9 @@ BlockManager::Impl::Impl(const BlockManagerOptions& options)
       cpu_pool(static_cast<std::int32_t>(options.num_cpu_blocks), false),
       cache(static_cast<std::int32_t>(options.num_blocks), options.block_size,
             options.enable_prefix_caching) {
+  if ((bs & (bs - 1)) == 0)
+    for (bs_shift = 0; (std::int64_t{1} << bs_shift) < bs; ++bs_shift) {
+    }
   const auto marks = static_cast<std::size_t>(std::max(options.num_blocks, options.num_cpu_blocks));
   block_mark.assign(marks, 0);
   block_stamp.assign(marks, 0);
@@ -60,9 +63,16 @@ BlockManager::Impl::Impl(const BlockManagerOptions& options)
 
 BlockManager::BlockManager(const BlockManagerOptions& options)
     : impl_(std::make_unique<Impl>(validated(options))) {}
-BlockManager::BlockManager(const BlockManager& other) : impl_(std::make_unique<Impl>(*other.impl_)) {}
+// A copy does not remember the original's incremental table: the two would both write it.
+BlockManager::BlockManager(const BlockManager& other) : impl_(std::make_unique<Impl>(*other.impl_)) {
+  impl_->track = Impl::ExportTrack{};
+}
 BlockManager& BlockManager::operator=(const BlockManager& other) {
-  if (this != &other) impl_ = std::make_unique<Impl>(*other.impl_);
+  if (this != &other) {
+    auto copy = std::make_unique<Impl>(*other.impl_);
+    copy->track = Impl::ExportTrack{};
+    impl_ = std::move(copy);
+  }
   return *this;
 }
 BlockManager::BlockManager(BlockManager&&) noexcept = default;
@@ -93,6 +103,11 @@ const BlockManager::Impl::Seq& BlockManager::Impl::live_gpu_seq(std::int64_t seq
 
 void BlockManager::Impl::resolve_batch(const std::int64_t* seq_ids, std::int64_t n, const char* what,
                                        bool want_swapped) const {
+  resolve_ids(seq_ids, n, what, want_swapped ? 1 : 0);
+}
+
+void BlockManager::Impl::resolve_ids(const std::int64_t* seq_ids, std::int64_t n, const char* what,
+                                     int want) const {
   if (n < 0) fail<InvalidArgument>(what, ": negative batch size ", n);
   scratch_idx.resize(static_cast<std::size_t>(n));
   if (++stamp == 0) {
@@ -105,12 +120,18 @@ void BlockManager::Impl::resolve_batch(const std::int64_t* seq_ids, std::int64_t
     if (seq_stamp[static_cast<std::size_t>(idx)] == stamp)
       fail<InvalidArgument>(what, ": sequence id ", seq_ids[i], " appears more than once in the batch");
     seq_stamp[static_cast<std::size_t>(idx)] = stamp;
-    if (s.swapped != want_swapped) {
-      if (want_swapped) fail<InvalidArgument>(what, ": sequence id ", seq_ids[i], " is not swapped out");
+    if (want >= 0 && s.swapped != (want == 1)) {
+      if (want == 1) fail<InvalidArgument>(what, ": sequence id ", seq_ids[i], " is not swapped out");
       fail<InvalidArgument>(what, ": sequence id ", seq_ids[i], " is swapped out; swap_in() it first");
     }
     scratch_idx[static_cast<std::size_t>(i)] = idx;
   }
+}
+
+void BlockManager::Impl::reserve_free_slots(std::int64_t n) {
+  const std::size_t want = free_seq_slots.size() + static_cast<std::size_t>(n);
+  if (want > free_seq_slots.capacity())  // geometric growth: one reservation per free would copy every time
+    free_seq_slots.reserve(std::max(want, 2 * free_seq_slots.capacity()));
 }
 
 std::int32_t BlockManager::Impl::new_slot_index() {
@@ -183,18 +204,58 @@ void BlockManager::Impl::release_chain(Seq& s) {
 // ---------------------------------------------------------------------------------------
 std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
                                         std::uint64_t extra_key) {
-  Impl& d = *impl_;
   if (n < 0) fail<InvalidArgument>("add_sequence: negative token count ", n);
   if (n > 0 && tokens == nullptr) fail<InvalidArgument>("add_sequence: null token pointer");
-  if (d.find(seq_id) >= 0) fail<InvalidArgument>("add_sequence: sequence id ", seq_id, " already exists");
+  return impl_->admit(seq_id, tokens, n, extra_key, "add_sequence");
+}
+
+void BlockManager::Impl::narrow_tokens(const std::int64_t* tokens, std::int64_t n,
+                                       std::vector<std::int32_t>& narrowed, const char* what) {
+  if (n < 0) fail<InvalidArgument>(what, ": negative token count ", n);
+  if (n > 0 && tokens == nullptr) fail<InvalidArgument>(what, ": null token pointer");
+  narrowed.resize(static_cast<std::size_t>(n));
+  bool ok = true;  // one branch-free pass; the offending id is searched for only on failure
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t v = tokens[i];
+    narrowed[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(v);
+    ok &= v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max();
+  }
+  if (ok) return;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (tokens[i] != static_cast<std::int32_t>(tokens[i]))
+      fail<InvalidArgument>(what, ": token_ids[", i, "] = ", tokens[i],
+                            " does not fit in 32-bit signed integers");
+}
+
+std::int64_t BlockManager::add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
+                                              std::uint64_t extra_key) {
+  std::vector<std::int32_t> narrowed;
+  Impl::narrow_tokens(tokens, n, narrowed, "add_sequence");
+  return impl_->admit(seq_id, narrowed.data(), n, extra_key, "add_sequence");
+}
+
+std::int64_t BlockManager::add_sequence_by_count(std::int64_t seq_id, std::int64_t n) {
+  const char* what = "add_sequence_by_count";
+  if (n < 0) fail<InvalidArgument>(what, ": negative token count ", n);
+  if (impl_->cache.enabled())
+    fail<InvalidArgument>(what, ": prefix caching is on, so the token ids are needed; use add_sequence");
+  return impl_->admit(seq_id, nullptr, n, 0, what);
+}
+
+std::int64_t BlockManager::Impl::admit(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
+                                       std::uint64_t extra_key, const char* what) {
+  Impl& d = *this;
+  if (d.find(seq_id) >= 0) fail<InvalidArgument>(what, ": sequence id ", seq_id, " already exists");
+  // Without caching there is nothing to look up (and add_sequence_by_count has no ids).
   std::vector<PrefixCache::Link> hit_chain;
   std::vector<std::int32_t> hit_blocks;
   std::int64_t from_lru = 0;
-  const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, &hit_chain, &hit_blocks);
+  const std::int64_t hits =
+      d.cache.enabled() ? d.count_prefix_hits(tokens, n, extra_key, &from_lru, &hit_chain, &hit_blocks) : 0;
   const std::int64_t need = d.blocks_for(n) - hits;
   const std::int64_t avail = d.pool.num_available() - from_lru;
   if (need > avail - d.watermark_blocks)
-    fail<OutOfBlocks>("add_sequence: sequence id ", seq_id, " (", n, " tokens) needs ", need, " new block(s)",
+    fail<OutOfBlocks>(what, ": sequence id ", seq_id, " (", n, " tokens) needs ", need, " new block(s)",
                       hits ? " after a prefix-cache hit of " : "",
                       hits ? std::to_string(hits) : std::string(), hits ? " block(s)" : "", "; ", avail,
                       " available, ", d.watermark_blocks, " kept free by the watermark");
@@ -203,7 +264,10 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
   const std::int32_t idx = d.new_slot_index();
   Impl::Seq& s = d.seq_at(idx);
   try {
-    s.tokens.assign(tokens, tokens + n);
+    if (tokens)
+      s.tokens.assign(tokens, tokens + n);
+    else
+      s.tokens.assign(static_cast<std::size_t>(n), 0);  // ids unknown; only the length is used
     s.blocks.clear();
     s.blocks.reserve(static_cast<std::size_t>(d.blocks_for(n) + 1));
     s.chain.assign(hit_chain.begin(), hit_chain.end());
@@ -217,10 +281,19 @@ std::int64_t BlockManager::add_sequence(std::int64_t seq_id, const std::int32_t*
     s.blocks.push_back(b);
   }
   for (const PrefixCache::Link& link : s.chain) d.cache.retain(link.node);
-  for (std::int64_t i = 0; i < need; ++i) s.blocks.push_back(d.take_block());
+  if (need <= d.pool.num_free()) {  // no eviction: one pass over the free list
+    const std::size_t at = s.blocks.size();
+    s.blocks.resize(at + static_cast<std::size_t>(need));  // reserved above: no allocation
+    d.pool.take_free(need, s.blocks.data() + at);
+  } else {
+    for (std::int64_t i = 0; i < need; ++i) s.blocks.push_back(d.take_block());
+  }
   s.id = seq_id;
   s.live = true;
   s.swapped = false;
+  s.ids_known = tokens != nullptr || n == 0;
+  s.uid = d.next_uid++;
+  s.export_row = -1;
   s.extra_key = extra_key;
   s.first_live_block = 0;
   s.num_computed = hits * d.bs;
@@ -236,14 +309,22 @@ void BlockManager::Impl::append_into(Seq& s, const std::int32_t* tokens, std::in
                                      std::int64_t* slots_out) {
   if (n <= 0) return;
   const auto len = static_cast<std::int64_t>(s.tokens.size());
-  if (len % bs != 0) {
+  if (offset_of(len) != 0) {
     std::int32_t& last = s.blocks.back();
     if (pool.ref(last) > 1) {  // never write a shared block
       const std::int32_t fresh = take_block();
       pool.drop_shared_ref(last);
       copies.emplace_back(last, fresh);
       last = fresh;
+      mark_dirty(s, static_cast<std::int64_t>(s.blocks.size()) - 1);
     }
+  }
+  if (n == 1) {  // a decode token: no range insert
+    s.tokens.push_back(*tokens);
+    const std::int64_t off = offset_of(len);
+    if (off == 0) s.blocks.push_back(take_block());
+    if (slots_out) *slots_out = static_cast<std::int64_t>(s.blocks.back()) * bs + off;
+    return;
   }
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);
   for (std::int64_t i = 0; i < n; ++i) {
@@ -291,22 +372,23 @@ void BlockManager::append_tokens_batch(const std::int64_t* seq_ids, std::int64_t
                   slots_out ? slots_out + i : nullptr);
 }
 
-void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
-  Impl& d = *impl_;
-  const std::int32_t pidx = d.lookup(parent_id, "fork");
-  {
-    const Impl::Seq& p = d.seq_at(pidx);
-    if (p.swapped)
-      fail<InvalidArgument>("fork: parent sequence id ", parent_id, " is swapped out; swap_in() it first");
-    if (d.find(child_id) >= 0) fail<InvalidArgument>("fork: child sequence id ", child_id, " already exists");
-    if (p.num_computed != static_cast<std::int64_t>(p.tokens.size()))
-      fail<InvalidArgument>("fork: parent sequence id ", parent_id, " has ",
-                            static_cast<std::int64_t>(p.tokens.size()) - p.num_computed,
-                            " token(s) not yet computed; fork after the step that computes them");
-  }
+void BlockManager::Impl::check_forkable(std::int64_t parent_id, std::int64_t child_id,
+                                        const char* what) const {
+  const Seq& p = seq_at(lookup(parent_id, what));
+  if (p.swapped)
+    fail<InvalidArgument>(what, ": parent sequence id ", parent_id, " is swapped out; swap_in() it first");
+  if (find(child_id) >= 0) fail<InvalidArgument>(what, ": child sequence id ", child_id, " already exists");
+  if (p.num_computed != static_cast<std::int64_t>(p.tokens.size()))
+    fail<InvalidArgument>(what, ": parent sequence id ", parent_id, " has ",
+                          static_cast<std::int64_t>(p.tokens.size()) - p.num_computed,
+                          " token(s) not yet computed; fork after the step that computes them");
+}
+
+void BlockManager::Impl::fork_at(std::int32_t pidx, std::int64_t child_id) {
+  Impl& d = *this;
   const std::int32_t cidx = d.new_slot_index();
-  const Impl::Seq& p = d.seq_at(pidx);  // re-fetched: new_slot_index may reallocate
-  Impl::Seq& c = d.seq_at(cidx);
+  const Seq& p = d.seq_at(pidx);  // re-fetched: new_slot_index may reallocate
+  Seq& c = d.seq_at(cidx);
   try {
     c.tokens.assign(p.tokens.begin(), p.tokens.end());
     c.blocks.assign(p.blocks.begin(), p.blocks.end());
@@ -319,6 +401,9 @@ void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   c.id = child_id;
   c.live = true;
   c.swapped = false;
+  c.ids_known = p.ids_known;
+  c.uid = d.next_uid++;
+  c.export_row = -1;
   c.num_computed = p.num_computed;
   c.extra_key = p.extra_key;
   c.first_live_block = p.first_live_block;
@@ -328,10 +413,34 @@ void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   ++d.num_live;
 }
 
-void BlockManager::free(std::int64_t seq_id) {
+void BlockManager::fork(std::int64_t parent_id, std::int64_t child_id) {
   Impl& d = *impl_;
-  const std::int32_t idx = d.lookup(seq_id, "free");
-  Impl::Seq& s = d.seq_at(idx);
+  d.check_forkable(parent_id, child_id, "fork");
+  d.fork_at(d.find(parent_id), child_id);
+}
+
+void BlockManager::fork_batch(const std::int64_t* parent_ids, const std::int64_t* child_ids, std::int64_t n) {
+  Impl& d = *impl_;
+  const char* what = "fork_batch";
+  if (n < 0) fail<InvalidArgument>(what, ": negative batch size ", n);
+  for (std::int64_t i = 0; i < n; ++i) d.check_forkable(parent_ids[i], child_ids[i], what);
+  std::vector<std::int64_t> sorted(child_ids, child_ids + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end())
+    fail<InvalidArgument>(what, ": child sequence id ", *dup, " appears more than once in the batch");
+  std::int64_t done = 0;
+  try {
+    for (; done < n; ++done) d.fork_at(d.find(parent_ids[done]), child_ids[done]);
+  } catch (...) {  // out of memory part way: the children made so far are released again
+    for (std::int64_t i = done - 1; i >= 0; --i) d.free_at(d.find(child_ids[i]));
+    throw;
+  }
+}
+
+void BlockManager::Impl::free_at(std::int32_t idx) {
+  Impl& d = *this;
+  Seq& s = d.seq_at(idx);
   if (s.swapped) {
     for (const std::int32_t c : s.blocks)
       if (c >= 0) d.cpu_pool.release(c, false);
@@ -340,7 +449,7 @@ void BlockManager::free(std::int64_t seq_id) {
     for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it)
       if (*it >= 0) d.release_block(*it);
   }
-  d.seq_map.erase(static_cast<std::uint64_t>(seq_id));
+  d.seq_map.erase(static_cast<std::uint64_t>(s.id));
   s.live = false;
   s.swapped = false;
   s.tokens.clear();
@@ -348,6 +457,20 @@ void BlockManager::free(std::int64_t seq_id) {
   d.release_chain(s);
   d.free_seq_slots.push_back(idx);
   --d.num_live;
+}
+
+void BlockManager::free(std::int64_t seq_id) {
+  Impl& d = *impl_;
+  const std::int32_t idx = d.lookup(seq_id, "free");
+  d.reserve_free_slots(1);  // nothing below can throw
+  d.free_at(idx);
+}
+
+void BlockManager::free_batch(const std::int64_t* seq_ids, std::int64_t n) {
+  Impl& d = *impl_;
+  d.resolve_ids(seq_ids, n, "free_batch", -1);
+  d.reserve_free_slots(n);  // nothing below can throw
+  for (std::int64_t i = 0; i < n; ++i) d.free_at(d.scratch_idx[static_cast<std::size_t>(i)]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -379,7 +502,12 @@ const std::vector<std::int32_t>& BlockManager::block_table(std::int64_t seq_id) 
   return impl_->seq_at(impl_->lookup(seq_id, "block_table")).blocks;
 }
 const std::vector<std::int32_t>& BlockManager::token_ids(std::int64_t seq_id) const {
-  return impl_->seq_at(impl_->lookup(seq_id, "token_ids")).tokens;
+  const Impl::Seq& s = impl_->seq_at(impl_->lookup(seq_id, "token_ids"));
+  if (!s.ids_known)
+    fail<InvalidArgument>("token_ids: sequence id ", seq_id,
+                          " was admitted by count (add_sequence_by_count, or forked from such a sequence); "
+                          "its token ids are not kept");
+  return s.tokens;
 }
 std::int64_t BlockManager::seq_len(std::int64_t seq_id) const {
   return static_cast<std::int64_t>(impl_->seq_at(impl_->lookup(seq_id, "seq_len")).tokens.size());

@@ -21,33 +21,28 @@ std::int64_t BlockManager::Impl::append_demand(const Seq& s, std::int64_t n) con
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   if (n > kMax - len) return kMax;  // more tokens than int64 can count: no pool serves it
   std::int64_t need = blocks_for(len + n) - static_cast<std::int64_t>(s.blocks.size());
-  if (len % bs != 0 && pool.ref(s.blocks.back()) > 1) ++need;  // copy-on-write
+  if (offset_of(len) != 0 && pool.ref(s.blocks.back()) > 1) ++need;  // copy-on-write
   return need;
 }
 
 std::int64_t BlockManager::Impl::batch_append_demand() const {
-  // One token per sequence in scratch_idx. Copy-on-write is counted exactly: when k
-  // sequences share a partly filled last block, the first k - 1 appenders copy it and the
-  // last one writes in place.
   next_block_stamp();
   std::int64_t need = 0;
-  for (const std::int32_t idx : scratch_idx) {
-    const Seq& s = seq_at(idx);
-    if (s.tokens.size() % static_cast<std::size_t>(bs) == 0) {
-      ++need;
-      continue;
-    }
-    const auto last = static_cast<std::size_t>(s.blocks.back());
-    if (block_stamp[last] != bstamp) {
-      block_stamp[last] = bstamp;
-      block_mark[last] = 0;
-    }
-    if (pool.ref(s.blocks.back()) - block_mark[last] > 1) {
-      ++need;
-      ++block_mark[last];
-    }
-  }
+  for (const std::int32_t idx : scratch_idx) need += append_one_demand(seq_at(idx));
   return need;
+}
+
+std::int64_t BlockManager::Impl::shared_append_demand(const Seq& s) const {
+  const auto last = static_cast<std::size_t>(s.blocks.back());
+  if (block_stamp[last] != bstamp) {
+    block_stamp[last] = bstamp;
+    block_mark[last] = 0;
+  }
+  if (pool.ref(s.blocks.back()) - block_mark[last] > 1) {
+    ++block_mark[last];
+    return 1;
+  }
+  return 0;
 }
 
 std::int64_t BlockManager::Impl::distinct_blocks_of_scratch() const {
@@ -72,6 +67,28 @@ bool BlockManager::can_allocate(const std::int32_t* tokens, std::int64_t n, std:
   std::int64_t from_lru = 0;
   const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, nullptr, nullptr);
   return d.blocks_for(n) - hits <= d.pool.num_available() - from_lru - d.watermark_blocks;
+}
+
+PrefixPeek BlockManager::peek_prefix(const std::int32_t* tokens, std::int64_t n,
+                                     std::uint64_t extra_key) const {
+  const Impl& d = *impl_;
+  if (n < 0) fail<InvalidArgument>("peek_prefix: num_tokens = ", n, " must be >= 0");
+  std::int64_t from_lru = 0;
+  const std::int64_t hits = d.count_prefix_hits(tokens, n, extra_key, &from_lru, nullptr, nullptr);
+  PrefixPeek p;
+  p.cached_tokens = hits * d.bs;
+  p.new_blocks = d.blocks_for(n) - hits;
+  p.reused_cached_blocks = from_lru;
+  p.fits = p.new_blocks <= d.pool.num_available() - from_lru - d.watermark_blocks;  // as add_sequence decides
+  return p;
+}
+
+PrefixPeek BlockManager::peek_prefix_int64(const std::int64_t* tokens, std::int64_t n,
+                                           std::uint64_t extra_key) const {
+  if (tokens == nullptr) return peek_prefix(nullptr, n);
+  std::vector<std::int32_t> narrowed;
+  Impl::narrow_tokens(tokens, n, narrowed, "peek_prefix");
+  return peek_prefix(narrowed.data(), n, extra_key);
 }
 
 bool BlockManager::can_append(std::int64_t seq_id, std::int64_t num_tokens) const {

@@ -19,9 +19,15 @@ void BlockManager::check_invariants() const {
   const bool caching = d.cache.enabled();
   std::vector<std::int32_t> holders(nb, 0), cpu_holders(nc, 0);
   std::int64_t live = 0;
+  std::vector<std::uint64_t> uids;
   for (const Impl::Seq& s : d.seqs) {
     if (!s.live) continue;
     ++live;
+    // Incremental export: a row is trusted only for the sequence whose uid it records.
+    if (s.uid == 0 || s.uid >= d.next_uid)
+      bad("sequence ", s.id, " has uid ", s.uid, " outside [1, ", d.next_uid, ")");
+    uids.push_back(s.uid);
+    if (!s.ids_known && caching) bad("sequence ", s.id, " has no token ids with prefix caching on");
     if (d.find(s.id) < 0 || &d.seq_at(d.find(s.id)) != &s) bad("sequence ", s.id, " not in the id map");
     const auto len = static_cast<std::int64_t>(s.tokens.size());
     if (static_cast<std::int64_t>(s.blocks.size()) != d.blocks_for(len))
@@ -136,6 +142,17 @@ void BlockManager::check_invariants() const {
     if (pr.first < 0 || pr.second < 0 || pr.first >= d.opt.num_blocks || pr.second >= d.opt.num_blocks ||
         pr.first == pr.second)
       bad("bad pending copy pair");
+  std::sort(uids.begin(), uids.end());
+  if (std::adjacent_find(uids.begin(), uids.end()) != uids.end()) bad("two live sequences share a uid");
+  const Impl::ExportTrack& k = d.track;
+  if (k.data != nullptr) {
+    if (static_cast<std::int64_t>(k.row_uid.size()) != k.rows ||
+        static_cast<std::int64_t>(k.row_len.size()) != k.rows)
+      bad("the remembered table has ", k.rows, " rows but row state for ", k.row_uid.size());
+    for (std::size_t r = 0; r < k.row_len.size(); ++r)
+      if (k.row_len[r] < 0 || k.row_len[r] > k.cols || (k.row_uid[r] == 0 && k.row_len[r] != 0))
+        bad("row ", r, " of the remembered table records ", k.row_len[r], " entries of ", k.cols);
+  }
 }
 
 }  // namespace pagedattn

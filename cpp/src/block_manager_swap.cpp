@@ -48,6 +48,7 @@ void BlockManager::swap_out(const std::int64_t* seq_ids, std::int64_t n, BlockPa
       d.release_block(b);
     }
     s.swapped = true;
+    Impl::mark_dirty(s, 0);
   }
 }
 
@@ -81,6 +82,7 @@ void BlockManager::swap_in(const std::int64_t* seq_ids, std::int64_t n, BlockPai
       c = g;
     }
     s.swapped = false;
+    Impl::mark_dirty(s, 0);
   }
 }
 

@@ -40,6 +40,17 @@ class BlockPool {
     ref_[idx(b)] = 1;
     return b;
   }
+  // Takes n <= num_free() blocks from the free list, in the order n take() calls would, into
+  // out [n], each with ref count 1.
+  void take_free(std::int64_t n, std::int32_t* out) {
+    const std::size_t top = free_.size();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int32_t b = free_[top - 1 - static_cast<std::size_t>(i)];
+      out[i] = b;
+      ref_[idx(b)] = 1;
+    }
+    free_.resize(top - static_cast<std::size_t>(n));
+  }
   // Drops one reference; at zero the block becomes evictable (registered) or free.
   void release(std::int32_t b, bool registered) {
     if (--ref_[idx(b)] == 0) {

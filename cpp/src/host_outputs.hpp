@@ -31,28 +31,36 @@ inline void check_int32(const TensorView& t, const char* what, const char* name,
     fail<InvalidArgument>(what, ": ", name, " must have ", ndim, " dimension(s), got ", t.shape_str());
 }
 
-// An int32 (or, with allow_int64, int64) vector [len]; null = not requested.
+// An int32 (or, with allow_int64, int64) vector [len] (with at_least: [L], L >= len); null =
+// not requested.
 inline void check_vec(const TensorView* t, const char* what, const char* name, std::int64_t len,
-                      bool allow_int64) {
+                      bool allow_int64, bool at_least = false) {
   if (!t) return;
   check_host(*t, what, name);
   const bool ok = t->dtype == DType::kInt32 || (allow_int64 && t->dtype == DType::kInt64);
   if (!ok)
     fail<TypeMismatch>(what, ": ", name, " must be ", allow_int64 ? "int64 or int32" : "int32", ", got ",
                        dtype_name(t->dtype));
-  if (t->ndim != 1 || t->shape[0] != len)
-    fail<InvalidArgument>(what, ": ", name, " must have shape [", len, "], got ", t->shape_str());
+  if (t->ndim != 1 || (at_least ? t->shape[0] < len : t->shape[0] != len))
+    fail<InvalidArgument>(what, ": ", name, " must have shape [", at_least ? "L" : "",
+                          at_least ? "] with L >= " : "", len, at_least ? "" : "]", ", got ", t->shape_str());
 }
 
-// An int32 block table [rows, M] with M >= min_cols; null = not requested.
-inline void check_table(const TensorView* t, const char* what, std::int64_t rows, std::int64_t min_cols) {
+// An int32 block table [rows, M] with M >= min_cols (with at_least: [R, M], R >= rows); null =
+// not requested.
+inline void check_table(const TensorView* t, const char* what, std::int64_t rows, std::int64_t min_cols,
+                        bool at_least = false) {
   if (!t) return;
   check_host(*t, what, "block_tables");
   if (t->dtype != DType::kInt32)
     fail<TypeMismatch>(what, ": block_tables must be int32, got ", dtype_name(t->dtype));
-  if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] < min_cols)
+  if (t->ndim != 2 || (at_least ? t->shape[0] < rows : t->shape[0] != rows) || t->shape[1] < min_cols) {
+    if (at_least)
+      fail<InvalidArgument>(what, ": block_tables must have shape [R, M] with R >= ", rows,
+                            " and M >= ", min_cols, ", got ", t->shape_str());
     fail<InvalidArgument>(what, ": block_tables must have shape [", rows, ", M] with M >= ", min_cols,
                           ", got ", t->shape_str());
+  }
 }
 
 // ---- memory overlap -------------------------------------------------------------------

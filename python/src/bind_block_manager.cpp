@@ -61,6 +61,22 @@ template <class T, class S>
 void copy_strided(IntArg<T>& a, const S* src, std::int64_t n, std::int64_t stride, const char* what,
                   const char* name) {
   a.store.resize(static_cast<std::size_t>(n));
+  if constexpr (std::is_signed_v<S> && sizeof(S) > sizeof(T)) {
+    if (stride == 1) {  // e.g. int64 token ids: one branch-free pass, the checks below only on failure
+      bool ok = true;
+      T* dst = a.store.data();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const S v = src[i];
+        dst[i] = static_cast<T>(v);
+        ok &= static_cast<S>(static_cast<T>(v)) == v;
+      }
+      if (ok) {
+        a.ptr = a.store.data();
+        a.size = n;
+        return;
+      }
+    }
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     const S v = src[i * stride];
     if constexpr (std::is_unsigned_v<S>) {
@@ -78,12 +94,47 @@ void copy_strided(IntArg<T>& a, const S* src, std::int64_t n, std::int64_t strid
   a.size = n;
 }
 
+// The value of an exact int that CPython stores in one digit (|v| < 2^30: every token id in
+// practice), read without a call; false for anything else (the caller takes the general path).
+inline bool compact_int(PyObject* o, long long* v) {
+#if defined(Py_LIMITED_API)
+  (void)o;
+  (void)v;
+  return false;
+#elif PY_VERSION_HEX >= 0x030C0000
+  if (!PyLong_CheckExact(o) || !PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(o))) return false;
+  *v = static_cast<long long>(PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(o)));
+  return true;
+#else
+  if (!PyLong_CheckExact(o)) return false;
+  const Py_ssize_t size = Py_SIZE(o);
+  if (size < -1 || size > 1) return false;
+  *v = static_cast<long long>(size) * static_cast<long long>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
+  return true;
+#endif
+}
+
 // Reads a 1-D integer argument into T (int32 for token ids, int64 for ids and lengths).
+template <class T>
+IntArg<T> int_arg_from_array(const nb::ndarray<nb::ro>& arr, const char* what, const char* name);
+template <class T>
+IntArg<T> int_arg_from_sequence(nb::handle h, const char* what, const char* name);
+
 template <class T>
 IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   IntArg<T> a;
   nb::ndarray<nb::ro> arr;
-  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, arr, false)) {
+  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, arr, false))
+    return int_arg_from_array<T>(arr, what, name);
+  return int_arg_from_sequence<T>(h, what, name);
+}
+
+// A 1-D host integer array (any width, any stride): read in place when it already holds T
+// contiguously, else converted with range checks.
+template <class T>
+IntArg<T> int_arg_from_array(const nb::ndarray<nb::ro>& arr, const char* what, const char* name) {
+  IntArg<T> a;
+  {
     if (arr.device_type() != nb::device::cpu::value)
       fail<TypeMismatch>(what, ": ", name, " must be a host (CPU) array");
     if (arr.ndim() != 1) fail<InvalidArgument>(what, ": ", name, " must be 1-D, got ", arr.ndim(), " dimensions");
@@ -116,6 +167,12 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
     }
     return a;
   }
+}
+
+// A Python sequence of ints (lists, tuples, ranges, NumPy integer scalars).
+template <class T>
+IntArg<T> int_arg_from_sequence(nb::handle h, const char* what, const char* name) {
+  IntArg<T> a;
   if (PyLong_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr()))
     fail<TypeMismatch>(what, ": ", name, " must be a sequence of ints or a 1-D integer array, got ",
                        nb::inst_name(h).c_str());
@@ -132,6 +189,10 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = items[i];
     long long v;
+    if (compact_int(item, &v)) {
+      a.store[static_cast<std::size_t>(i)] = static_cast<T>(v);  // |v| < 2^30 fits in T
+      continue;
+    }
     if (PyLong_Check(item)) {
       v = PyLong_AsLongLong(item);
     } else if (!PyFloat_Check(item) && PyIndex_Check(item)) {  // NumPy integer scalars
@@ -154,6 +215,35 @@ IntArg<T> int_arg(nb::handle h, const char* what, const char* name) {
   a.ptr = a.store.data();
   a.size = static_cast<std::int64_t>(n);
   return a;
+}
+
+// Token ids for admission: a contiguous host int64 array is handed to the core as it is (the
+// core narrows it in one pass); everything else goes through int_arg as int32.
+struct TokenArg {
+  const std::int64_t* p64 = nullptr;
+  IntArg<std::int32_t> i32;
+  nb::ndarray<nb::ro> keep;
+  std::int64_t size = 0;
+};
+
+TokenArg token_arg(nb::handle h, const char* what) {
+  TokenArg t;
+  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()) && nb::try_cast(h, t.keep, false)) {
+    const nb::dlpack::dtype dt = t.keep.dtype();
+    if (t.keep.device_type() == nb::device::cpu::value && t.keep.ndim() == 1 && dt.lanes == 1 &&
+        dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int) && dt.bits == 64 &&
+        (t.keep.stride(0) == 1 || t.keep.shape(0) <= 1)) {
+      t.p64 = static_cast<const std::int64_t*>(t.keep.data());
+      t.size = static_cast<std::int64_t>(t.keep.shape(0));
+      return t;
+    }
+    t.i32 = int_arg_from_array<std::int32_t>(t.keep, what, "token_ids");  // cast once
+    t.size = t.i32.size;
+    return t;
+  }
+  t.i32 = int_arg_from_sequence<std::int32_t>(h, what, "token_ids");
+  t.size = t.i32.size;
+  return t;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -294,13 +384,84 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
   return md;
 }
 
+// step_into: the caller's persistent buffers, filled up to their capacity; no new arrays
+// apart from copy_pairs when copies are pending. Outputs not given are not written.
+StepMetadata run_step_into(BlockManager& m, nb::handle seq_ids, nb::handle token_ids, nb::handle query_lens,
+                           const nb::object& block_tables, const nb::object& seq_lens,
+                           const nb::object& context_lens, const nb::object& query_start_loc,
+                           const nb::object& slot_mapping, std::int32_t pad, bool incremental) {
+  const auto ids = int_arg<std::int64_t>(seq_ids, "step_into", "seq_ids");
+  IntArg<std::int32_t> toks;
+  IntArg<std::int64_t> qlens;
+  StepRequest req;
+  req.seq_ids = ids.ptr;
+  req.num_seqs = ids.size;
+  if (!token_ids.is_none()) {
+    toks = int_arg<std::int32_t>(token_ids, "step_into", "token_ids");
+    if (toks.size != ids.size)
+      fail<InvalidArgument>("step_into: token_ids has ", toks.size, " entries for ", ids.size,
+                            " sequences (one new token per sequence)");
+    req.new_tokens = toks.ptr;
+  }
+  if (!query_lens.is_none()) {
+    qlens = int_arg<std::int64_t>(query_lens, "step_into", "query_lens");
+    if (qlens.size != ids.size)
+      fail<InvalidArgument>("step_into: query_lens has ", qlens.size, " entries for ", ids.size, " sequences");
+    req.query_lens = qlens.ptr;
+  }
+  TensorView views[5];
+  const nb::object* given[5] = {&block_tables, &seq_lens, &context_lens, &query_start_loc, &slot_mapping};
+  static const char* const names[5] = {"block_tables", "seq_lens", "context_lens", "query_start_loc",
+                                       "slot_mapping"};
+  const TensorView* ptrs[5] = {};
+  for (int k = 0; k < 5; ++k) {
+    if (given[k]->is_none()) continue;
+    AnyMutArray arr;
+    if (!nb::try_cast(*given[k], arr, false))
+      fail<TypeMismatch>("step_into: ", names[k], " must be a writable DLPack / buffer-protocol array, got ",
+                         nb::inst_name(*given[k]).c_str());
+    views[k] = to_view(arr);
+    ptrs[k] = &views[k];
+  }
+  StepOutputs out;
+  out.block_tables = ptrs[0];
+  out.seq_lens = ptrs[1];
+  out.context_lens = ptrs[2];
+  out.query_start_loc = ptrs[3];
+  out.slot_mapping = ptrs[4];
+  out.pad = pad;
+  out.persistent = true;
+  out.incremental = incremental;
+  const StepShape shape = m.step(req, out);
+
+  StepMetadata md;
+  md.block_tables = block_tables;
+  md.seq_lens = seq_lens;
+  md.context_lens = context_lens;
+  md.query_start_loc = query_start_loc;
+  md.slot_mapping = slot_mapping;
+  if (m.num_pending_copies() == 0) {
+    md.copy_pairs = empty_pairs();
+  } else {
+    BlockManager::BlockPairs pairs;
+    m.take_copy_pairs(pairs);
+    md.copy_pairs = pairs_array(pairs);
+  }
+  md.num_seqs = shape.num_seqs;
+  md.num_tokens = shape.num_tokens;
+  md.max_seq_len = shape.max_seq_len;
+  md.max_query_len = shape.max_query_len;
+  return md;
+}
+
 std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id) { return m.block_table(seq_id); }
 
 }  // namespace
 
 void bind_block_manager(nb::module_& m) {
   nb::class_<StepMetadata>(m, "StepMetadata",
-                           "Everything a forward pass needs for one step (see BlockManager.step).\n\n"
+                           "Everything a forward pass needs for one step (see BlockManager.step; step_into\n"
+                           "returns the caller's buffers here, None where none was given).\n\n"
                            "Arrays: block_tables int32 [S, M] (padded), seq_lens int32 [S] (context + query),\n"
                            "context_lens int32 [S] (tokens computed before the step), query_start_loc int32 [S+1],\n"
                            "slot_mapping int64 [T] (slot of every scheduled token, sequence by sequence),\n"
@@ -319,6 +480,19 @@ void bind_block_manager(nb::module_& m) {
       .def("__repr__", [](const StepMetadata& s) {
         return nb::str("StepMetadata(num_seqs={}, num_tokens={}, max_seq_len={}, max_query_len={}, copies={})")
             .format(s.num_seqs, s.num_tokens, s.max_seq_len, s.max_query_len, nb::len(s.copy_pairs));
+      });
+
+  nb::class_<PrefixPeek>(m, "PrefixPeek",
+                         "What add_sequence would find in the prefix cache for a prompt (BlockManager.peek_prefix):\n"
+                         "cached_tokens (its return value), new_blocks (blocks it would take from the pool),\n"
+                         "reused_cached_blocks (hit blocks now evictable), fits (whether it would succeed now).")
+      .def_ro("cached_tokens", &PrefixPeek::cached_tokens)
+      .def_ro("new_blocks", &PrefixPeek::new_blocks)
+      .def_ro("reused_cached_blocks", &PrefixPeek::reused_cached_blocks)
+      .def_ro("fits", &PrefixPeek::fits)
+      .def("__repr__", [](const PrefixPeek& p) {
+        return nb::str("PrefixPeek(cached_tokens={}, new_blocks={}, reused_cached_blocks={}, fits={})")
+            .format(p.cached_tokens, p.new_blocks, p.reused_cached_blocks, p.fits);
       });
 
   nb::class_<BlockManager>(
@@ -386,13 +560,18 @@ void bind_block_manager(nb::module_& m) {
       .def(
           "add_sequence",
           [](BlockManager& b, std::int64_t seq_id, nb::handle token_ids, std::uint64_t extra_key) {
-            const auto t = int_arg<std::int32_t>(token_ids, "add_sequence", "token_ids");
-            return b.add_sequence(seq_id, t.ptr, t.size, extra_key);
+            const TokenArg t = token_arg(token_ids, "add_sequence");
+            if (t.p64) return b.add_sequence_int64(seq_id, t.p64, t.size, extra_key);
+            return b.add_sequence(seq_id, t.i32.ptr, t.size, extra_key);
           },
           "seq_id"_a, "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
           "Adds a sequence with its prompt and allocates its blocks. Returns the number of leading\n"
           "tokens found in the prefix cache (already computed). extra_key (e.g. an adapter id) is part\n"
           "of every block hash of the sequence.")
+      .def("add_sequence_by_count", &BlockManager::add_sequence_by_count, "seq_id"_a, "num_tokens"_a,
+           "Adds a sequence of num_tokens tokens without their ids (prefix caching must be off: the ids\n"
+           "are never needed then) and allocates its blocks, as add_sequence would. Returns 0.\n"
+           "token_ids() of the sequence (and of its forks) raises ValueError.")
       .def(
           "append_tokens",
           [](BlockManager& b, std::int64_t seq_id, nb::handle token_ids) {
@@ -422,8 +601,37 @@ void bind_block_manager(nb::module_& m) {
       .def("fork", &BlockManager::fork, "parent_id"_a, "child_id"_a,
            "The child shares all of the parent's blocks (copy-on-write). The parent must have no\n"
            "tokens waiting for a step.")
+      .def(
+          "fork_batch",
+          [](BlockManager& b, nb::handle parent_ids, nb::handle child_ids) {
+            const auto children = int_arg<std::int64_t>(child_ids, "fork_batch", "child_ids");
+            IntArg<std::int64_t> parents;
+            if (PyLong_Check(parent_ids.ptr())) {  // one parent for every child
+              parents.store.assign(static_cast<std::size_t>(children.size), nb::cast<std::int64_t>(parent_ids));
+              parents.ptr = parents.store.data();
+              parents.size = children.size;
+            } else {
+              parents = int_arg<std::int64_t>(parent_ids, "fork_batch", "parent_ids");
+            }
+            if (parents.size != children.size)
+              fail<InvalidArgument>("fork_batch: parent_ids has ", parents.size, " entries for ", children.size,
+                                    " child_ids");
+            b.fork_batch(parents.ptr, children.ptr, children.size);
+          },
+          "parent_ids"_a, "child_ids"_a,
+          "Forks child_ids[i] from parent_ids[i] (an int: one parent for all), all or nothing, as\n"
+          "fork() one by one would. Children must be distinct new ids.")
       .def("free", &BlockManager::free, "seq_id"_a,
            "Releases a sequence (running or swapped out). KeyError for an unknown id or a double free.")
+      .def(
+          "free_batch",
+          [](BlockManager& b, nb::handle seq_ids) {
+            const auto ids = int_arg<std::int64_t>(seq_ids, "free_batch", "seq_ids");
+            b.free_batch(ids.ptr, ids.size);
+          },
+          "seq_ids"_a,
+          "Releases the distinct sequences (running or swapped out), all or nothing, as free() in\n"
+          "this order would. KeyError for an unknown id, ValueError for a repeated one.")
       // ---- steps
       .def("step", &run_step, "seq_ids"_a, "token_ids"_a = nb::none(), nb::kw_only(), "query_lens"_a = nb::none(),
            "block_tables"_a = nb::none(), "seq_lens"_a = nb::none(), "context_lens"_a = nb::none(),
@@ -436,6 +644,23 @@ void bind_block_manager(nb::module_& m) {
            "may share memory with an input or another output); the rest are new NumPy arrays.\n"
            "max_blocks pads the new block table up to the pool size (or the widest table). Pending\n"
            "copy-on-write pairs are drained into copy_pairs.")
+      .def("step_into", &run_step_into, "seq_ids"_a, "token_ids"_a = nb::none(), nb::kw_only(),
+           "query_lens"_a = nb::none(), "block_tables"_a = nb::none(), "seq_lens"_a = nb::none(),
+           "context_lens"_a = nb::none(), "query_start_loc"_a = nb::none(), "slot_mapping"_a = nb::none(),
+           "pad"_a = 0, "incremental"_a = true,
+           "The same step as step(), written into persistent buffers: each given output may be\n"
+           "larger than the step (block_tables [R, M] with R >= S and M >= the widest table, the vectors\n"
+           "at least S, S + 1 or T long); the leading rows / entries are written, the rest left as they\n"
+           "are. Outputs not given are not written (none given: the step only advances the manager).\n"
+           "incremental=True writes only the block-table entries that changed since this manager last\n"
+           "wrote that table (new blocks; whole rows for a sequence new to its row or changed by\n"
+           "copy-on-write, swap_in or the sliding window); rows [0, S) end as a full rewrite leaves\n"
+           "them. Write the table yourself only after reset_incremental_export(), or pass\n"
+           "incremental=False (a full rewrite). Returns a StepMetadata holding the given arrays\n"
+           "(None where not given) and the drained copy-on-write pairs.")
+      .def("reset_incremental_export", &BlockManager::reset_incremental_export,
+           "Forgets the block table remembered by step_into(incremental=True): its next call writes\n"
+           "every row in full. Call it after writing that table yourself.")
       .def(
           "take_copy_pairs",
           [](BlockManager& b) {
@@ -485,6 +710,16 @@ void bind_block_manager(nb::module_& m) {
           "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
           "Whether add_sequence would succeed now (token ids: prefix hits counted; an int: a token count,\n"
           "exact up to 2**63 - 1; negative -> ValueError).")
+      .def(
+          "peek_prefix",
+          [](const BlockManager& b, nb::handle token_ids, std::uint64_t extra_key) {
+            const TokenArg t = token_arg(token_ids, "peek_prefix");
+            if (t.p64) return b.peek_prefix_int64(t.p64, t.size, extra_key);
+            return b.peek_prefix(t.i32.ptr, t.size, extra_key);
+          },
+          "token_ids"_a, nb::kw_only(), "extra_key"_a = 0,
+          "What add_sequence(token_ids) would find in the prefix cache now, changing nothing (no\n"
+          "statistics, no LRU order): a PrefixPeek (cached_tokens, new_blocks, reused_cached_blocks, fits).")
       .def("can_append", &BlockManager::can_append, "seq_id"_a, "num_tokens"_a = 1,
            "Whether appending num_tokens tokens would succeed now (exact up to 2**63 - 1; negative ->\n"
            "ValueError; False while swapped out).")

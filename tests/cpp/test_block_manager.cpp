@@ -1,5 +1,7 @@
 // Unit tests of the KV block manager: pool accounting, copy-on-write, prefix caching,
-// eviction, swapping, sliding window, step export and the strong exception guarantee.
+// eviction, swapping, sliding window, step export (full, persistent and incremental), the
+// scheduler calls (peek_prefix, admission by count, batch fork / free) and the strong
+// exception guarantee.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -16,6 +18,7 @@ using pagedattn::BlockManagerOptions;
 using pagedattn::DType;
 using pagedattn::InvalidArgument;
 using pagedattn::OutOfBlocks;
+using pagedattn::PrefixPeek;
 using pagedattn::StepOutputs;
 using pagedattn::StepRequest;
 using pagedattn::UnknownSequence;
@@ -529,6 +532,220 @@ PA_TEST(random_operations_keep_invariants) {
     PA_CHECK_EQ(m.num_used_blocks(), 0);
     m.check_invariants();
   }
+}
+
+// ---- scheduler calls -------------------------------------------------------------------
+namespace {
+
+// A decode step of the sequences written into a persistent table [rows, cols], incrementally
+// or in full; returns the rows the batch occupies.
+std::vector<std::int32_t> step_rows(BlockManager& m, const std::vector<std::int64_t>& ids,
+                                    std::vector<std::int32_t>& table, std::int64_t rows, std::int64_t cols,
+                                    bool incremental, bool decode = true) {
+  const std::vector<std::int32_t> toks(ids.size(), 7);
+  StepRequest r;
+  r.seq_ids = ids.data();
+  r.num_seqs = static_cast<std::int64_t>(ids.size());
+  r.new_tokens = decode ? toks.data() : nullptr;
+  auto v = pagedattn::make_view(table.data(), DType::kInt32, {rows, cols});
+  StepOutputs out;
+  out.block_tables = &v;
+  out.pad = -1;
+  out.persistent = true;
+  out.incremental = incremental;
+  m.step(r, out);
+  return std::vector<std::int32_t>(table.begin(),
+                                   table.begin() + static_cast<std::ptrdiff_t>(ids.size() * cols));
+}
+
+// What a full rewrite of the batch's rows holds.
+std::vector<std::int32_t> full_rows(const BlockManager& m, const std::vector<std::int64_t>& ids,
+                                    std::int64_t cols) {
+  std::vector<std::int32_t> rows;
+  for (const std::int64_t id : ids) {
+    const auto& t = m.block_table(id);
+    for (std::int64_t k = 0; k < cols; ++k)
+      rows.push_back(k < static_cast<std::int64_t>(t.size()) && t[static_cast<std::size_t>(k)] >= 0
+                         ? t[static_cast<std::size_t>(k)]
+                         : -1);
+  }
+  return rows;
+}
+
+// Steps the batch into the table, then compares its rows with a full rewrite.
+bool step_matches(BlockManager& m, const std::vector<std::int64_t>& ids, std::vector<std::int32_t>& table,
+                  std::int64_t rows, std::int64_t cols, bool incremental, bool decode = true) {
+  const std::vector<std::int32_t> got = step_rows(m, ids, table, rows, cols, incremental, decode);
+  return got == full_rows(m, ids, cols);
+}
+
+}  // namespace
+
+PA_TEST(incremental_table_matches_full_rewrite_through_cow_swap_and_row_reuse) {
+  BlockManager m = make(64, 4, false, 32);
+  for (std::int64_t id = 1; id <= 3; ++id) add(m, id, iota_tokens(6));
+  compute_all(m, {1, 2, 3});
+  const std::int64_t rows = 5, cols = 8;
+  std::vector<std::int32_t> table(rows * cols, 99);
+  PA_CHECK(step_matches(m, {1, 2, 3}, table, rows, cols, true));
+  PA_CHECK_EQ(table[static_cast<std::size_t>(3 * cols)], 99);  // rows past the batch untouched
+  // Behind the manager's back: an entry that does not change is not written again.
+  table[0] = 555;
+  step_rows(m, {1, 2, 3}, table, rows, cols, true);
+  PA_CHECK_EQ(table[0], 555);
+  m.reset_incremental_export();  // after writing the table yourself
+  PA_CHECK(step_matches(m, {1, 2, 3}, table, rows, cols, true));
+  // Copy-on-write replaces the last (already written) entry of the forked sequence's row.
+  m.fork(1, 4);
+  BlockManager::BlockPairs pairs;
+  PA_CHECK(step_matches(m, {1, 2, 3}, table, rows, cols, true));
+  m.take_copy_pairs(pairs);
+  PA_CHECK_EQ(pairs.size(), 1u);
+  // Rows move, a new sequence takes a row, a freed sequence's row is reused.
+  m.free(2);
+  PA_CHECK(step_matches(m, {4, 3, 1}, table, rows, cols, true));
+  // Swap out and back in: every entry changes.
+  m.take_copy_pairs(pairs);
+  const std::int64_t three[] = {3};
+  m.swap_out(three, 1, pairs);
+  m.swap_in(three, 1, pairs);
+  PA_CHECK(step_matches(m, {4, 3, 1}, table, rows, cols, true));
+  // A full write forgets the table; the next incremental step rewrites every row.
+  step_rows(m, {4, 3, 1}, table, rows, cols, false);
+  table[0] = 555;
+  PA_CHECK(step_matches(m, {4, 3, 1}, table, rows, cols, true));
+  m.check_invariants();
+}
+
+PA_TEST(incremental_table_with_sliding_window_pads_released_entries) {
+  BlockManager m = make(64, 2, false, 0, 0.0, 3);
+  add(m, 1, iota_tokens(3));
+  const std::int64_t rows = 1, cols = 12;
+  std::vector<std::int32_t> table(rows * cols, 99);
+  for (int i = 0; i < 12; ++i) {
+    PA_CHECK(step_matches(m, {1}, table, rows, cols, true, i > 0));
+  }
+  PA_CHECK_EQ(table[0], -1);  // released by the window
+  m.check_invariants();
+}
+
+PA_TEST(persistent_outputs_accept_larger_buffers_and_check_their_size) {
+  BlockManager m = make(16, 4);
+  add(m, 1, iota_tokens(9));
+  const std::int64_t ids[] = {1};
+  StepRequest r;
+  r.seq_ids = ids;
+  r.num_seqs = 1;
+  std::vector<std::int64_t> sm(16, -5);
+  std::vector<std::int32_t> bt(2 * 2, -5);  // 3 blocks needed: too narrow
+  auto v_sm = pagedattn::make_view(sm.data(), DType::kInt64, {16});
+  auto v_bt = pagedattn::make_view(bt.data(), DType::kInt32, {2, 2});
+  StepOutputs out;
+  out.slot_mapping = &v_sm;
+  PA_CHECK_THROWS(m.step(r, out), InvalidArgument);  // exact shapes without persistent
+  out.block_tables = &v_bt;
+  out.persistent = true;
+  const Snapshot before = snap(m);
+  PA_CHECK_THROWS(m.step(r, out), InvalidArgument);  // narrower than the widest table
+  PA_CHECK(snap(m) == before);
+  out.block_tables = nullptr;
+  m.step(r, out);
+  PA_CHECK_EQ(sm[8], std::int64_t(m.block_table(1)[2]) * 4);
+  PA_CHECK_EQ(sm[9], -5);  // past the step's tokens: untouched
+  PA_CHECK_EQ(m.num_computed(1), 9);
+}
+
+PA_TEST(peek_prefix_predicts_add_sequence_and_changes_nothing) {
+  BlockManager m = make(16, 4, true, 0, 0.25);
+  const auto prompt = iota_tokens(10);
+  add(m, 1, prompt);
+  compute_all(m, {1});
+  m.free(1);  // two registered blocks, now evictable
+  const auto stats = m.prefix_cache_stats();
+  const PrefixPeek p = m.peek_prefix(prompt.data(), 10);
+  PA_CHECK_EQ(p.cached_tokens, 8);
+  PA_CHECK_EQ(p.new_blocks, 1);
+  PA_CHECK_EQ(p.reused_cached_blocks, 2);
+  PA_CHECK(p.fits && p.fits == m.can_allocate(prompt.data(), 10));
+  PA_CHECK_EQ(m.prefix_cache_stats().queried_tokens, stats.queried_tokens);
+  const std::int64_t avail = m.num_available_blocks();
+  PA_CHECK_EQ(add(m, 2, prompt), p.cached_tokens);
+  PA_CHECK_EQ(avail - m.num_available_blocks(), p.new_blocks + p.reused_cached_blocks);
+  const PrefixPeek none = m.peek_prefix(nullptr, 50);
+  PA_CHECK(none.cached_tokens == 0 && none.new_blocks == 13 && !none.fits);
+  PA_CHECK_THROWS(m.peek_prefix(nullptr, -1), InvalidArgument);
+  m.check_invariants();
+}
+
+PA_TEST(add_sequence_by_count_matches_add_sequence_without_ids) {
+  BlockManager a = make(16, 4), b = make(16, 4);
+  PA_CHECK_EQ(a.add_sequence_by_count(1, 9), 0);
+  add(b, 1, iota_tokens(9));
+  PA_CHECK(a.block_table(1) == b.block_table(1));
+  PA_CHECK_EQ(a.seq_len(1), 9);
+  PA_CHECK_THROWS(a.token_ids(1), InvalidArgument);
+  compute_all(a, {1});
+  a.fork(1, 2);
+  PA_CHECK_THROWS(a.token_ids(2), InvalidArgument);
+  PA_CHECK_THROWS(a.add_sequence_by_count(3, -1), InvalidArgument);
+  PA_CHECK_THROWS(a.add_sequence_by_count(1, 1), InvalidArgument);  // duplicate
+  PA_CHECK_THROWS(a.add_sequence_by_count(3, 100), OutOfBlocks);
+  BlockManager c = make(16, 4, true);
+  PA_CHECK_THROWS(c.add_sequence_by_count(1, 4), InvalidArgument);  // caching needs the ids
+  a.check_invariants();
+}
+
+PA_TEST(batch_fork_and_free_are_all_or_nothing) {
+  BlockManager m = make(32, 4);
+  add(m, 1, iota_tokens(6));
+  add(m, 2, iota_tokens(3));
+  compute_all(m, {1, 2});
+  const Snapshot before = snap(m);
+  const std::int64_t parents[] = {1, 1, 2}, dup_children[] = {10, 11, 10}, bad_parent[] = {1, 9, 2};
+  const std::int64_t children[] = {10, 11, 12};
+  PA_CHECK_THROWS(m.fork_batch(parents, dup_children, 3), InvalidArgument);
+  PA_CHECK_THROWS(m.fork_batch(bad_parent, children, 3), UnknownSequence);
+  const std::int64_t existing[] = {10, 2, 12};
+  PA_CHECK_THROWS(m.fork_batch(parents, existing, 3), InvalidArgument);
+  PA_CHECK(snap(m) == before);
+  m.fork_batch(parents, children, 3);
+  PA_CHECK(m.block_table(10) == m.block_table(1) && m.block_table(12) == m.block_table(2));
+  PA_CHECK_EQ(m.ref_count(m.block_table(1)[0]), 3);
+  const Snapshot forked = snap(m);
+  const std::int64_t unknown[] = {10, 99}, repeated[] = {10, 11, 10}, all[] = {10, 11, 12, 1};
+  PA_CHECK_THROWS(m.free_batch(unknown, 2), UnknownSequence);
+  PA_CHECK_THROWS(m.free_batch(repeated, 3), InvalidArgument);
+  PA_CHECK(snap(m) == forked);
+  m.free_batch(all, 4);
+  PA_CHECK_EQ(m.num_sequences(), 1);
+  PA_CHECK(snap(m) == [&] {
+    BlockManager one = make(32, 4);
+    add(one, 1, iota_tokens(6));
+    add(one, 2, iota_tokens(3));
+    compute_all(one, {1, 2});
+    one.free(1);
+    return snap(one);
+  }());
+  m.check_invariants();
+}
+
+PA_TEST(int64_token_ids_are_narrowed_or_refused_before_any_change) {
+  BlockManager a = make(16, 4, true), b = make(16, 4, true);
+  const std::vector<std::int64_t> wide = {5, -3, 2147483647, -2147483648LL, 9, 9, 9, 9, 1};
+  std::vector<std::int32_t> narrow(wide.begin(), wide.end());
+  PA_CHECK_EQ(a.add_sequence_int64(1, wide.data(), 9), add(b, 1, narrow));
+  PA_CHECK(a.token_ids(1) == narrow && a.block_table(1) == b.block_table(1));
+  compute_all(a, {1});
+  compute_all(b, {1});
+  PA_CHECK_EQ(a.peek_prefix_int64(wide.data(), 9).cached_tokens, 8);
+  PA_CHECK_EQ(a.add_sequence_int64(2, wide.data(), 9), 8);
+  const Snapshot before = snap(a);
+  const std::vector<std::int64_t> bad = {1, 2, 2147483648LL};
+  PA_CHECK_THROWS(a.add_sequence_int64(3, bad.data(), 3), InvalidArgument);
+  PA_CHECK_THROWS(a.peek_prefix_int64(bad.data(), 3), InvalidArgument);
+  PA_CHECK_THROWS(a.add_sequence_int64(3, nullptr, 2), InvalidArgument);
+  PA_CHECK(snap(a) == before);
+  a.check_invariants();
 }
 
 int main() { return pagedattn_test::run_all(); }

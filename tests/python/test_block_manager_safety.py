@@ -13,6 +13,7 @@ import pytest
 
 pagedattn = pytest.importorskip("pagedattn")
 BlockManager = pagedattn.BlockManager
+OutOfBlocksError = pagedattn.OutOfBlocksError
 
 # ---------------------------------------------------------------------------------------
 # Prefix cache: a constructed hash collision never gives a hit
@@ -227,6 +228,23 @@ CALLS = {
         {2**31 - 1: "ok", 2**63 - 1: "ok", **{u: ValueError for u in OUTSIDE_INT64}},
         ValueError,
     ),  # fmt: skip
+    "add_sequence_by_count(seq_id)": (lambda m, v: (m.add_sequence_by_count(v, 1), m.free(v)), SCALAR_ERRORS, "ok"),
+    "add_sequence_by_count(num_tokens)": (
+        lambda m, v: m.add_sequence_by_count(2, v),
+        {2**31 - 1: OutOfBlocksError, 2**63 - 1: OutOfBlocksError, **SCALAR_ERRORS},
+        ValueError,
+    ),
+    "peek_prefix(extra_key)": (
+        lambda m, v: m.peek_prefix([1, 2, 3, 4, 5], extra_key=v),
+        {2**31 - 1: "ok", 2**63 - 1: "ok", 2**63: "ok", -(2**63) - 1: TypeError, 2**64: TypeError},
+        TypeError,
+    ),
+    "free_batch(seq_ids)": (lambda m, v: m.free_batch([v]), LIST_ERRORS, KeyError),
+    "fork_batch(parent_ids)": (lambda m, v: m.fork_batch([v], [2]), LIST_ERRORS, KeyError),
+    "fork_batch(child_ids)": (lambda m, v: (m.fork_batch([1], [v]), m.free(v)), LIST_ERRORS, "ok"),
+    "step_into(seq_ids)": (lambda m, v: m.step_into([v]), LIST_ERRORS, KeyError),
+    "step_into(query_lens)": (lambda m, v: m.step_into([1], query_lens=[v]), LIST_ERRORS, ValueError),
+    "step_into(pad)": (lambda m, v: m.step_into([1], pad=v), PAD_OK, TypeError),
 }
 
 

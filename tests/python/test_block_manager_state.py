@@ -10,7 +10,11 @@ manager (same policies) with long random operation sequences and checks after ev
     in a shared block);
   * identical prefixes map to identical blocks when caching is on (never two registered
     blocks with the same prefix, and a new sequence reuses the registered prefix);
-  * freeing everything returns the pool to full (teardown).
+  * freeing everything returns the pool to full (teardown);
+  * step_into into one persistent set of buffers, incremental or full, with rows moving
+    between steps, leaves rows [0, S) exactly as the reference's full table and the rest of
+    every buffer untouched; peek_prefix predicts add_sequence; the batch calls equal the
+    one-by-one calls.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.ref = ReferenceBlockManager(num_blocks, block_size, **kw)
         self.bs = block_size
         self.next_id = 0
+        # One set of persistent buffers for every step_into (rows may move between steps).
+        self.rows, self.width = 8, 48
+        self.bt = np.full((self.rows, self.width), -9, np.int32)
+        self.vecs = {k: np.full(n, -9, np.int32) for k, n in
+                     (("seq_lens", self.rows), ("context_lens", self.rows), ("query_start_loc", self.rows + 1))}
+        self.slots = np.full(64, -9, np.int64)
 
     # ---- helpers -----------------------------------------------------------------------
     def both(self, name, *args, **kwargs):
@@ -137,6 +147,110 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert not failed
         self.compare_step(exp, got)
         assert got.num_tokens == sum(qlens)
+
+    @precondition(lambda self: self.gpu_ids())
+    @rule(data=st.data(), decode=st.booleans(), incremental=st.sampled_from([True, True, True, False]),
+          pad=st.sampled_from([0, -1]))
+    def persistent_step(self, data, decode, incremental, pad):
+        ids = data.draw(st.lists(st.sampled_from(self.gpu_ids()), min_size=0, max_size=self.rows, unique=True))
+        kw = {}
+        if decode:
+            kw["token_ids"] = data.draw(st.lists(st.integers(0, 2), min_size=len(ids), max_size=len(ids)))
+        else:
+            kw["query_lens"] = [data.draw(st.integers(0, self.m.seq_len(i) - self.m.num_computed(i))) for i in ids]
+        add = 1 if decode else 0
+        widest = max([-(-(self.m.seq_len(i) + add) // self.bs) for i in ids], default=0)
+        tokens = sum(kw["query_lens"]) if not decode else sum(
+            self.m.seq_len(i) + 1 - self.m.num_computed(i) for i in ids)
+        if widest > self.width or tokens > len(self.slots):
+            return  # the buffers are too small for this step (covered by test_block_manager.py)
+        before = {k: v.copy() for k, v in self.vecs.items()}
+        bt_before, slots_before = self.bt.copy(), self.slots.copy()
+        exp, got, failed = self.both_step_into(ids, kw, incremental, pad)
+        if failed:
+            assert np.array_equal(self.bt, bt_before) and np.array_equal(self.slots, slots_before)
+            return
+        n, t = len(ids), got.num_tokens
+        assert got.block_tables is self.bt
+        assert self.bt[:n].tolist() == exp["block_tables"], "incremental table differs from a full rewrite"
+        assert np.array_equal(self.bt[n:], bt_before[n:]), "rows past the batch were written"
+        for k, v in self.vecs.items():
+            m = len(exp[k])
+            assert v[:m].tolist() == exp[k], k
+            assert np.array_equal(v[m:], before[k][m:]), k
+        assert self.slots[:t].tolist() == exp["slot_mapping"]
+        assert np.array_equal(self.slots[t:], slots_before[t:])
+        assert [tuple(p) for p in got.copy_pairs.tolist()] == exp["copy_pairs"]
+        self.check_written_exclusively(self.slots[:t])
+
+    def both_step_into(self, ids, kw, incremental, pad):
+        ref_kw = dict(kw)
+        toks = ref_kw.pop("token_ids", None)
+        ref_exc = cpp_exc = None
+        try:
+            exp = self.ref.step(ids, toks, max_blocks=self.width, pad=pad, **ref_kw)
+        except (ReferenceOutOfBlocks, ValueError, KeyError) as e:
+            ref_exc = e
+        try:
+            got = self.m.step_into(ids, toks, block_tables=self.bt, slot_mapping=self.slots, pad=pad,
+                                   incremental=incremental, **ref_kw, **self.vecs)
+        except (OutOfBlocksError, ValueError, KeyError) as e:
+            cpp_exc = e
+        if ref_exc is not None:
+            assert cpp_exc is not None and isinstance(cpp_exc, ERRORS[type(ref_exc)]), (ref_exc, cpp_exc)
+            return None, None, True
+        assert cpp_exc is None, cpp_exc
+        return exp, got, False
+
+    @rule(tokens=prompts, extra=st.sampled_from([0, 0, 7]))
+    def peek_then_add(self, tokens, extra):
+        stats = self.m.prefix_cache_stats
+        peek = self.m.peek_prefix(tokens, extra_key=extra)
+        assert self.m.prefix_cache_stats == stats  # a peek counts nothing
+        exp = self.ref.peek_prefix(tokens, extra_key=extra)
+        assert {k: getattr(peek, k) for k in exp} == exp
+        assert peek.fits == self.m.can_allocate(tokens, extra_key=extra)
+        sid = self.next_id
+        self.next_id += 1
+        free_before = self.m.num_available_blocks
+        _, got, failed = self.both("add_sequence", sid, tokens, extra_key=extra)
+        assert failed == (not peek.fits)
+        if not failed:
+            assert got == peek.cached_tokens
+            assert free_before - self.m.num_available_blocks == peek.new_blocks + peek.reused_cached_blocks
+
+    @rule(n=st.integers(0, 9))
+    def add_by_count(self, n):
+        sid = self.next_id
+        self.next_id += 1
+        exp, got, failed = self.both("add_sequence_by_count", sid, n)
+        if self.caching:
+            assert failed  # the ids are needed for the prefix cache
+        elif not failed:
+            assert got == exp == 0 and self.m.seq_len(sid) == n
+
+    @precondition(lambda self: self.gpu_ids())
+    @rule(data=st.data(), k=st.integers(1, 3), one_parent=st.booleans())
+    def fork_batch(self, data, k, one_parent):
+        children = list(range(self.next_id, self.next_id + k))
+        self.next_id += k
+        if one_parent:
+            parents = data.draw(st.sampled_from(self.gpu_ids()))
+        else:
+            parents = data.draw(st.lists(st.sampled_from(self.gpu_ids()), min_size=k, max_size=k))
+        if data.draw(st.booleans()) and k > 1:
+            children[-1] = children[0]  # a repeated child: refused, nothing changes
+        self.both("fork_batch", parents, children)
+
+    @precondition(lambda self: self.m.sequence_ids())
+    @rule(data=st.data(), repeat=st.booleans())
+    def free_batch(self, data, repeat):
+        ids = data.draw(st.lists(st.sampled_from(self.m.sequence_ids()), min_size=1, unique=True))
+        if repeat:
+            ids.append(ids[0])  # refused: nothing is freed
+        _, _, failed = self.both("free_batch", ids)
+        assert failed == repeat
+        assert all((i in self.m) == repeat for i in ids)
 
     def compare_step(self, exp, got):
         for key in ("block_tables", "seq_lens", "context_lens", "query_start_loc", "slot_mapping"):
@@ -243,7 +357,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seen = {}
         for sid in self.gpu_ids():
-            toks = self.m.token_ids(sid).tolist()
+            toks = self.m.token_ids(sid).tolist()  # caching on: every sequence has its ids
             extra = self.ref.seqs[sid].extra
             for j, b in enumerate(self.m.block_table(sid)[: self.m.num_computed(sid) // self.bs]):
                 if not self.m.is_cached(b):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 pagedattn = pytest.importorskip("pagedattn")
@@ -253,6 +254,45 @@ def test_oom_decode_step_with_copy_on_write(caching):
 
     assert sweep(build, request, 3, check=check) == 3
     assert sweep(build, request_batch, 3) == 3
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_oom_step_into_leaves_the_persistent_table_and_its_row_state_alone(caching):
+    """The same copy-on-write decode as above through step_into with persistent buffers,
+    written incrementally: a refused step writes nothing, and the next step (the very same
+    one, now served) still ends with every row as a full rewrite would leave it."""
+    bs = 4
+    buffers = {}
+
+    def build():
+        m = BlockManager(16, bs, enable_prefix_caching=caching, num_cpu_blocks=8)
+        m.add_sequence(1, [1, 2, 3, 4, 5, 6])
+        m.add_sequence(4, [7, 7, 7, 7, 7, 7, 7, 7])
+        bt = np.full((6, 5), -7, np.int32)
+        m.step_into([4, 1], block_tables=bt, pad=-1)  # the table holds rows for 4 and 1
+        m.fork(1, 2)
+        m.fork(1, 3)
+        buffers["bt"], buffers["slots"] = bt, np.full(8, -7, np.int64)
+        buffers["before"] = (bt.copy(), buffers["slots"].copy())
+        return m, m.num_free_blocks
+
+    def request(m):
+        bt, slots = buffers["bt"], buffers["slots"]
+        try:
+            return m.step_into([1, 2, 3, 4], [11, 12, 13, 14], block_tables=bt, slot_mapping=slots, pad=-1)
+        except OutOfBlocksError:
+            assert np.array_equal(bt, buffers["before"][0]) and np.array_equal(slots, buffers["before"][1])
+            raise
+
+    def check(m, md):
+        bt = buffers["bt"]
+        assert md.copy_pairs.shape == (2, 2)
+        for row, sid in enumerate((1, 2, 3, 4)):
+            table = m.block_table(sid)
+            assert bt[row].tolist() == table + [-1] * (5 - len(table)), f"row {row}"
+        assert (bt[4:] == -7).all()
+
+    assert sweep(build, request, 3, check=check) == 3
 
 
 def test_oom_chunked_prefill_after_fork():

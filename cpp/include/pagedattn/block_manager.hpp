@@ -115,8 +115,25 @@ struct StepShape {
   std::int64_t max_query_len = 0;
 };
 
-// Where step() writes. Any output may be null (not written). Host memory, any strides. No
-// output may share memory with the request's arrays or with another output (InvalidArgument).
+// Where step() writes. Any output may be null (not written; all null = a step that only
+// advances the manager). Host memory, any strides. No output may share memory with the
+// request's arrays or with another output (InvalidArgument).
+//
+// Persistent buffers (persistent = true): every output may be larger than the step needs
+// (block_tables [R, M] with R >= S, the vectors at least as long as below); the step writes
+// the leading rows / entries and leaves the rest as they are, so one set of buffers sized
+// for the largest batch serves every step without re-slicing.
+//
+// Incremental block tables (incremental = true): the manager remembers the last table it
+// wrote incrementally (address, shape, strides and pad) and, per row, which sequence it
+// holds and how many of its entries are written; a step then writes only what differs: the
+// new entries of a sequence that keeps its row, and the whole row (padded to the width) of
+// a sequence that is new to its row or whose entries changed since (copy-on-write, swap_in,
+// sliding-window release). Rows [0, S) always end exactly as a full rewrite would leave
+// them. A different table or pad starts over with full rows. Only this manager may write
+// the table between incremental steps: after writing it yourself, call
+// reset_incremental_export() (or step once with incremental = false). A full write
+// (incremental = false, or export_block_tables) into the remembered table forgets it.
 struct StepOutputs {
   const TensorView* block_tables = nullptr;     // int32 [S, M], M >= StepShape::max_blocks; padded with pad
   const TensorView* seq_lens = nullptr;         // int32 [S]   context + query length
@@ -124,6 +141,16 @@ struct StepOutputs {
   const TensorView* query_start_loc = nullptr;  // int32 [S+1] exclusive prefix sum of query lengths
   const TensorView* slot_mapping = nullptr;     // int64 or int32 [T] slot of every scheduled token
   std::int32_t pad = 0;                         // fills unused and released block-table entries
+  bool persistent = false;                      // outputs may be larger than the step (see above)
+  bool incremental = false;                     // write only the changed block-table entries
+};
+
+// What add_sequence() would find in the prefix cache for a prompt (peek_prefix()).
+struct PrefixPeek {
+  std::int64_t cached_tokens = 0;         // leading tokens already computed (add_sequence's return value)
+  std::int64_t new_blocks = 0;            // blocks add_sequence would take from the pool
+  std::int64_t reused_cached_blocks = 0;  // hit blocks now evictable (leave the available set too)
+  bool fits = false;                      // whether add_sequence would succeed now (can_allocate)
 };
 
 class BlockManager {
@@ -150,6 +177,15 @@ class BlockManager {
   // Throws InvalidArgument (duplicate id), OutOfBlocks.
   std::int64_t add_sequence(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
                             std::uint64_t extra_key = 0);
+  // The same with int64 token ids [n] (each must fit in int32; InvalidArgument names the first
+  // that does not), read in one pass without a conversion by the caller.
+  std::int64_t add_sequence_int64(std::int64_t seq_id, const std::int64_t* tokens, std::int64_t n,
+                                  std::uint64_t extra_key = 0);
+  // Adds a sequence of n tokens whose ids are not given (prefix caching must be off: the
+  // ids are never needed then). The same admission as add_sequence() without the copy of
+  // the ids; token_ids() of the sequence (and of its forks) throws InvalidArgument.
+  // Returns 0 (no cache hits). Throws InvalidArgument (caching on, duplicate id), OutOfBlocks.
+  std::int64_t add_sequence_by_count(std::int64_t seq_id, std::int64_t n);
   // Appends tokens [n] to a sequence; writes their slots to slots_out [n] (may be null).
   // Throws UnknownSequence, InvalidArgument (swapped out), OutOfBlocks.
   void append_tokens(std::int64_t seq_id, const std::int32_t* tokens, std::int64_t n,
@@ -159,8 +195,13 @@ class BlockManager {
                            std::int64_t* slots_out);
   // The child shares all of the parent's blocks. The parent must have no uncomputed tokens.
   void fork(std::int64_t parent_id, std::int64_t child_id);
+  // Forks child_ids[i] from parent_ids[i] for i < n (a parent may repeat; children distinct
+  // and new), all or nothing, as n fork() calls would.
+  void fork_batch(const std::int64_t* parent_ids, const std::int64_t* child_ids, std::int64_t n);
   // Releases a sequence (GPU or swapped out). Throws UnknownSequence (also on a double free).
   void free(std::int64_t seq_id);
+  // Releases the (distinct) sequences, all or nothing, as n free() calls in this order would.
+  void free_batch(const std::int64_t* seq_ids, std::int64_t n);
 
   // ---- steps -------------------------------------------------------------------------
   // Validates a step request and returns its output sizes without changing anything.
@@ -172,6 +213,9 @@ class BlockManager {
   // Moves the pending copy-on-write (src, dst) pairs into `pairs` (appended) and clears them.
   void take_copy_pairs(BlockPairs& pairs);
   std::int64_t num_pending_copies() const;
+  // Forgets the table remembered by incremental steps: the next incremental step writes its
+  // rows in full. Call it after writing that table yourself.
+  void reset_incremental_export();
 
   // ---- preemption --------------------------------------------------------------------
   // Moves the sequences to the CPU pool; appends (gpu_block, cpu_block) pairs to `pairs`.
@@ -183,6 +227,10 @@ class BlockManager {
   // Exact for every count up to 2^63 - 1 (no overflow); a negative count throws InvalidArgument.
   // Whether add_sequence() would succeed for n tokens (tokens may be null: no cache hits counted).
   bool can_allocate(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
+  // What add_sequence(tokens, n, extra_key) would find in the prefix cache and take from the
+  // pool, without changing anything (no statistics, no LRU order). tokens may be null (no hits).
+  PrefixPeek peek_prefix(const std::int32_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
+  PrefixPeek peek_prefix_int64(const std::int64_t* tokens, std::int64_t n, std::uint64_t extra_key = 0) const;
   // Whether appending num_tokens tokens to the sequence would succeed (false while swapped out).
   bool can_append(std::int64_t seq_id, std::int64_t num_tokens = 1) const;
   // Whether a step appending one token to each of the (distinct) sequences would succeed.

@@ -4,7 +4,9 @@
 
 Several managers with small pools (so that running out of blocks, LRU eviction, swapping and
 copy-on-write happen all the time) are driven through random operations: add_sequence with
-shared prefixes, decode steps, chunked prefill steps, append_tokens(_batch), fork, free,
+shared prefixes (each first peeked with peek_prefix), decode steps, chunked prefill steps
+(through step, or through step_into into one persistent set of buffers per manager with
+incremental block tables), append_tokens(_batch), fork and fork_batch, free and free_batch,
 swap_out / swap_in, preemption by recomputation (free + add_sequence), take_copy_pairs,
 deliberately invalid calls and an occasional full drain. Configurations: prefix caching on
 and off, a sliding window on one, a watermark, with and without a CPU pool.
@@ -21,7 +23,9 @@ i.e. what the attention kernel would read. After every call it checks:
     the can_* queries agree with it;
   * a failed call (any exception) left the observable state unchanged: tables, lengths,
     token ids, computed cursors, swap flags, every pool count, the prefix-cache stats;
-  * results (hits, slots, step metadata, copy and swap pairs), the touched sequences'
+  * results (hits, slots, step metadata, copy and swap pairs), the persistent buffers of
+    step_into (the batch's rows equal to the reference's full table, nothing written past the
+    step), peek_prefix's prediction of the next add_sequence, the touched sequences'
     lengths, computed cursors, swap flags and tables, every pool count and the prefix-cache
     counters equal the reference model's;
   * every slot handed out (by append or by a step) lies in its table's block, in a block
@@ -49,6 +53,7 @@ import sys
 import time
 from typing import Optional
 
+import numpy as np
 import pagedattn
 from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks
 
@@ -135,6 +140,16 @@ class Soak:
         self.gpu = [[None] * self.bs for _ in range(self.nb)]
         self.cpu = [[None] * self.bs for _ in range(self.ncpu)]
         self.next_id = 1
+        # Persistent step_into buffers, sized for the largest batch (pick_batch: 6) and kept
+        # across steps so that the incremental block tables see rows move and change.
+        self.rows, self.width, self.max_tokens = 6, 48, 256
+        self.buf = {
+            "block_tables": np.full((self.rows, self.width), -9, np.int32),
+            "seq_lens": np.full(self.rows, -9, np.int32),
+            "context_lens": np.full(self.rows, -9, np.int32),
+            "query_start_loc": np.full(self.rows + 1, -9, np.int32),
+            "slot_mapping": np.full(self.max_tokens, -9, np.int64),
+        }
 
     # ---- helpers -----------------------------------------------------------------------
     @staticmethod
@@ -178,9 +193,10 @@ class Soak:
         except Violation as e:
             raise FailedCallChanged(f"{what} raised {err!r} and changed the state: {e}") from None
 
-    def call(self, what: str, name: str, *args, **kwargs) -> tuple:
+    def call(self, what: str, name: str, *args, ref_call=None, **kwargs) -> tuple:
         """Runs one call on the reference model, then on the manager: both succeed, or both fail
-        with the same error type. Returns (ok, the manager's result or error, the model's)."""
+        with the same error type. Returns (ok, the manager's result or error, the model's).
+        ref_call: the reference's side, when it is not the same call (step_into)."""
         self.calls += 1
         m, ref = self.m, self.ref
         before = self.counts(m)
@@ -188,7 +204,7 @@ class Soak:
             self.bad(f"free + cached + used = {before[:3]} != {self.nb}")
         evictions = ref.evictions
         try:
-            expected = getattr(ref, name)(*args, **kwargs)
+            expected = ref_call() if ref_call is not None else getattr(ref, name)(*args, **kwargs)
         except REFERENCE_ERRORS as e:
             expected = e
         try:
@@ -297,6 +313,11 @@ class Soak:
         predicted = self.ref.can_allocate(tokens, extra_key=extra)
         if m.can_allocate(tokens, extra_key=extra) != predicted:
             self.bad(f"can_allocate({n} tokens) != reference {predicted}")
+        peek = m.peek_prefix(tokens, extra_key=extra)
+        want = self.ref.peek_prefix(tokens, extra_key=extra)
+        if {k: getattr(peek, k) for k in want} != want:
+            self.bad(f"peek_prefix({n} tokens) {peek!r} != reference {want}")
+        avail = m.num_available_blocks
         sid = self.next_id
         self.next_id += 1
         ok, hits, expected = self.call(f"add_sequence({sid}, n={n})", "add_sequence", sid, tokens, extra_key=extra)
@@ -306,6 +327,9 @@ class Soak:
             return None
         if hits != expected:
             self.bad(f"add_sequence({n} tokens) hit {hits} tokens, reference {expected}")
+        if hits != peek.cached_tokens or avail - m.num_available_blocks != peek.new_blocks + peek.reused_cached_blocks:
+            self.bad(f"add_sequence({n} tokens) hit {hits} and took {avail - m.num_available_blocks} blocks; "
+                     f"peek_prefix said {peek!r}")
         ph = _prefix_hashes(extra, tokens)
         self.seqs[sid] = _Seq(ph, extra)
         self.ids.append(sid)
@@ -333,6 +357,36 @@ class Soak:
         self.ids.remove(sid)
         if sid in self.m:
             self.bad(f"freed sequence {sid} still present")
+
+    def op_free_batch(self) -> None:
+        if not self.ids:
+            return
+        batch = self.rng.sample(self.ids, self.rng.randint(1, min(len(self.ids), 4)))
+        ok, e, _ = self.call(f"free_batch({batch})", "free_batch", batch)
+        if not ok:
+            self.bad(f"free_batch({batch}) of live sequences raised {e!r}")
+        for sid in batch:
+            del self.seqs[sid]
+            self.ids.remove(sid)
+            if sid in self.m:
+                self.bad(f"freed sequence {sid} still present")
+
+    def op_fork_batch(self) -> None:
+        ids = self.gpu_ids(lambda i: not self.uncomputed(i))
+        if not ids:
+            return
+        k = self.rng.randint(1, 3)
+        parents = [self.rng.choice(ids) for _ in range(k)]
+        children = list(range(self.next_id, self.next_id + k))
+        self.next_id += k
+        ok, e, _ = self.call(f"fork_batch({parents}, {children})", "fork_batch", parents, children)
+        if not ok:
+            self.bad(f"fork_batch of computed sequences raised {e!r}")
+        for pid, cid in zip(parents, children):
+            p = self.seqs[pid]
+            self.seqs[cid] = _Seq(list(p.ph), p.extra)
+            self.ids.append(cid)
+            self.check_seq(cid)
 
     def op_preempt(self) -> None:
         """Preemption by recomputation: free, then add again with the tokens so far."""
@@ -400,7 +454,8 @@ class Soak:
             self.check_seq(sid)
             self.check_new_slots(sid, self.ref.seq_len(sid) - 1, slots[i : i + 1], expected[i : i + 1])
 
-    def op_step(self, decode: bool) -> None:
+    def op_step(self, decode: bool, into: bool = False) -> None:
+        """A step through step(), or (into) through step_into with the persistent buffers."""
         rng, m, r = self.rng, self.m, self.ref
         ids = self.gpu_ids() if decode else self.gpu_ids(self.uncomputed)
         if not ids:
@@ -415,12 +470,36 @@ class Soak:
             self.bad(f"can_append_batch != reference {r.can_append_batch(batch)}")
         ctx = {i: r.num_computed(i) for i in batch}
         released = {i: r.block_table(i).count(-1) for i in batch}
-        ok, md, expected = self.call(f"step({batch}, decode={decode})", "step", batch, new, query_lens=qlens)
-        if not ok:
-            return
-        for key in ("block_tables", "seq_lens", "context_lens", "query_start_loc", "slot_mapping"):
-            if getattr(md, key).tolist() != expected[key]:
-                self.bad(f"step {key} {getattr(md, key).tolist()} != reference {expected[key]}")
+        widest = max(-(-(r.seq_len(i) + add) // self.bs) for i in batch)
+        tokens = sum(qlens) if qlens is not None else sum(r.seq_len(i) + add - r.num_computed(i) for i in batch)
+        into = into and widest <= self.width and tokens <= self.max_tokens
+        if into:
+            pad = -1 if rng.random() < 0.95 else 0
+            incremental = rng.random() < 0.9
+            before = {k: v.copy() for k, v in self.buf.items()}
+            ok, md, expected = self.call(
+                f"step_into({batch}, decode={decode}, incremental={incremental})", "step_into", batch, new,
+                query_lens=qlens, pad=pad, incremental=incremental, **self.buf,
+                ref_call=lambda: r.step(batch, new, query_lens=qlens, max_blocks=self.width, pad=pad),
+            )
+            if not ok:
+                for k, v in self.buf.items():
+                    if not np.array_equal(v, before[k]):
+                        self.bad(f"a refused step_into wrote {k}")
+                return
+            for key, buf in self.buf.items():
+                n = len(expected[key])
+                if buf[:n].tolist() != expected[key]:
+                    self.bad(f"step_into {key} {buf[:n].tolist()} != reference {expected[key]}")
+                if not np.array_equal(buf[n:], before[key][n:]):
+                    self.bad(f"step_into wrote {key} past the step ({n} entries)")
+        else:
+            ok, md, expected = self.call(f"step({batch}, decode={decode})", "step", batch, new, query_lens=qlens)
+            if not ok:
+                return
+            for key in ("block_tables", "seq_lens", "context_lens", "query_start_loc", "slot_mapping"):
+                if getattr(md, key).tolist() != expected[key]:
+                    self.bad(f"step {key} {getattr(md, key).tolist()} != reference {expected[key]}")
         copies = _pairs(md.copy_pairs)
         if copies != expected["copy_pairs"]:
             self.bad(f"step copy pairs {copies} != reference {expected['copy_pairs']}")
@@ -615,17 +694,21 @@ class Soak:
         if n == 0 or r < 0.14:
             self.op_add()
         elif r < 0.36:
-            self.op_step(decode=True)
+            self.op_step(decode=True, into=rng.random() < 0.5)
         elif r < 0.46:
-            self.op_step(decode=False)
+            self.op_step(decode=False, into=rng.random() < 0.5)
         elif r < 0.53:
             self.op_append()
         elif r < 0.57:
             self.op_append_batch()
-        elif r < 0.62:
+        elif r < 0.60:
             self.op_fork()
-        elif r < (0.80 if pressure else 0.70):
+        elif r < 0.62:
+            self.op_fork_batch()
+        elif r < (0.77 if pressure else 0.67):
             self.op_free()
+        elif r < (0.80 if pressure else 0.70):
+            self.op_free_batch()
         elif r < 0.84:
             self.op_swap_out()
         elif r < 0.89:

@@ -33,7 +33,7 @@ class ReferenceOutOfBlocks(RuntimeError):
 
 
 class _Seq:
-    __slots__ = ("tokens", "blocks", "computed", "keys", "extra", "swapped", "first_live")
+    __slots__ = ("tokens", "blocks", "computed", "keys", "extra", "swapped", "first_live", "ids_known")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -43,6 +43,7 @@ class _Seq:
         self.extra = 0
         self.swapped = False
         self.first_live = 0
+        self.ids_known = True
 
 
 _ROOT = 0x243F6A8885A308D3
@@ -194,6 +195,16 @@ class ReferenceBlockManager:
             self.hits += s.computed
         return s.computed
 
+    def add_sequence_by_count(self, seq_id: int, num_tokens: int) -> int:
+        """add_sequence without the ids (caching off): the same admission; token_ids() refuses."""
+        if num_tokens < 0:
+            raise ValueError("add_sequence_by_count: negative token count")
+        if self.caching:
+            raise ValueError("add_sequence_by_count: prefix caching is on")
+        hits = self.add_sequence(seq_id, [0] * num_tokens)
+        self.seqs[seq_id].ids_known = num_tokens == 0
+        return hits
+
     def _append_demand(self, s: _Seq, n: int) -> int:
         if n <= 0:
             return 0
@@ -264,10 +275,38 @@ class ReferenceBlockManager:
         c.computed = p.computed
         c.extra = p.extra
         c.first_live = p.first_live
+        c.ids_known = p.ids_known
         for b in c.blocks:
             if b >= 0:
                 self.ref[b] += 1
         self.seqs[child_id] = c
+
+    def fork_batch(self, parent_ids, child_ids) -> None:
+        """fork() for each pair, all or nothing (an int parent: one parent for every child)."""
+        children = [int(c) for c in child_ids]
+        parents = [int(parent_ids)] * len(children) if isinstance(parent_ids, int) else [int(p) for p in parent_ids]
+        if len(parents) != len(children):
+            raise ValueError("fork_batch: parent_ids and child_ids differ in length")
+        for p, c in zip(parents, children):
+            ps = self._get(p)
+            if c in self.seqs:
+                raise ValueError(f"sequence id {c} already exists")
+            if ps.computed != len(ps.tokens):
+                raise ValueError("fork_batch: parent has uncomputed tokens")
+        if len(set(children)) != len(children):
+            raise ValueError("fork_batch: duplicate child id")
+        for p, c in zip(parents, children):
+            self.fork(p, c)
+
+    def free_batch(self, seq_ids: Sequence[int]) -> None:
+        """free() of each (distinct) sequence, in order, all or nothing."""
+        ids = [int(i) for i in seq_ids]
+        for i in ids:
+            self._get(i, None)
+        if len(set(ids)) != len(ids):
+            raise ValueError("free_batch: duplicate sequence id")
+        for i in ids:
+            self.free(i)
 
     def free(self, seq_id: int) -> None:
         s = self._get(seq_id, None)
@@ -413,6 +452,17 @@ class ReferenceBlockManager:
         need = -(-len(token_ids) // self.bs) - len(hit_blocks)
         return need <= self.num_available_blocks - from_lru - self.watermark_blocks
 
+    def peek_prefix(self, token_ids: Sequence[int], *, extra_key: int = 0) -> dict:
+        """What add_sequence would find and take, changing nothing (BlockManager.peek_prefix)."""
+        _, hit_blocks, from_lru = self._hits(list(token_ids), extra_key)
+        need = -(-len(token_ids) // self.bs) - len(hit_blocks)
+        return {
+            "cached_tokens": len(hit_blocks) * self.bs,
+            "new_blocks": need,
+            "reused_cached_blocks": from_lru,
+            "fits": need <= self.num_available_blocks - from_lru - self.watermark_blocks,
+        }
+
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return self._append_demand(self._get(seq_id), num_tokens) <= self.num_available_blocks
 
@@ -453,7 +503,10 @@ class ReferenceBlockManager:
         return self._get(seq_id, None).swapped
 
     def token_ids(self, seq_id: int) -> list[int]:
-        return list(self._get(seq_id, None).tokens)
+        s = self._get(seq_id, None)
+        if not s.ids_known:
+            raise ValueError(f"token_ids: sequence id {seq_id} was admitted by count")
+        return list(s.tokens)
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
