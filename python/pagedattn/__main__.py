@@ -241,8 +241,10 @@ def bench_main(argv=None) -> int:
         series = {}
         for r in result["rows"]:
             if "gbs" in r:
-                label = (f"{r['impl']}, batch {r['batch']}, {r['num_heads']}/{r['num_kv_heads']} heads "
-                         f"d{r['head_size']} {r['dtype']}")
+                label = (
+                    f"{r['impl']}, batch {r['batch']}, {r['num_heads']}/{r['num_kv_heads']} heads "
+                    f"d{r['head_size']} {r['dtype']}"
+                )
                 series.setdefault(label, []).append((r["context"], r["gbs"]))
         series = {k: v for k, v in series.items() if len(v) > 1}  # lines need two contexts
         _plot_gbs(series, args.plot, f"paged decode on {result['device']} (block size 16; line: batch, heads, dtype)")

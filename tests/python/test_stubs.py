@@ -65,8 +65,11 @@ def _runtime_signature(func) -> tuple[list[str], list[str]]:
         fn = ast.parse(sig_text.replace("def ", "def f_", 1) + ": ...").body[0]
         return _params(fn.args)
     sig = inspect.signature(func)
-    pos = [p.name for p in sig.parameters.values()
-           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "$module")]
+    pos = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "$module")
+    ]
     kw = [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY]
     return pos, kw
 
