@@ -53,7 +53,10 @@ needs_plain_run = pytest.mark.skipif(_asan_runtime_loaded(), reason="type checke
 
 
 BLOCKS = _blocks()
-RUNNABLE = [(i, code) for i, code in enumerate(BLOCKS) if not _missing_modules(code)]
+
+
+def _runnable() -> list[tuple[int, str]]:
+    return [(i, code) for i, code in enumerate(BLOCKS) if not _missing_modules(code)]
 
 
 def test_readme_has_python_examples():
@@ -75,7 +78,7 @@ def test_readme_example_runs(index, tmp_path):
 
 def _write_runnable(folder: Path) -> list[str]:
     files = []
-    for i, code in RUNNABLE:
+    for i, code in _runnable():
         path = folder / f"readme_example_{i}.py"
         path.write_text(code)
         files.append(str(path))
