@@ -9,7 +9,7 @@ kernel. The options of a call are the keyword table of ``python/src/call_options
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _core
 from ._core import (
@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 
-_Query = TypeVar("_Query")
+if TYPE_CHECKING:
+    from ._core import SupportsDLPack  # a typing-only protocol of the stubs
+
+_Query = TypeVar("_Query", bound="SupportsDLPack")
 
 
 def prepare_decode(query: _Query, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
