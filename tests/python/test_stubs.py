@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import pagedattn
+from fuzz import _asan_runtime_loaded
 from pagedattn import _core
 
 STUB = Path(pagedattn.__file__).resolve().parent / "_core.pyi"
@@ -140,3 +144,16 @@ def test_stubs_and_marker_ship_with_the_package():
     # arrays from the block manager
     text = STUB.read_text()
     assert "-> _Array" in text and "def context_lens(self) -> Int32Array" in text
+
+
+@pytest.mark.skipif(_asan_runtime_loaded(), reason="type checkers run in the plain pytest run")
+def test_the_typed_modules_pass_pyright():
+    """The stubs and the modules that re-export them type-check as they ship."""
+    pytest.importorskip("pyright")
+    root = STUB.parent
+    files = [str(root / n) for n in ("_core.pyi", "__init__.py", "_api.py", "block_manager.py", "cache_ops.py")]
+    env = dict(os.environ, PYRIGHT_PYTHON_IGNORE_WARNINGS="1")
+    run = subprocess.run([sys.executable, "-m", "pyright", "--pythonpath", sys.executable, *files],
+                         capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
+    assert "0 errors" in run.stdout
