@@ -6,8 +6,11 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "pagedattn/errors.hpp"
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
@@ -90,13 +93,29 @@ class Pool {
   std::uint64_t generation_ = 0;
 };
 
+constexpr int kMaxThreads = 256;
+
+// PAGEDATTN_NUM_THREADS: a whole number from 1 up (more than kMaxThreads means
+// kMaxThreads); unset or empty: one thread per hardware thread. Anything else is refused
+// rather than silently ignored.
 int configured_threads() {
-  if (const char* env = std::getenv("PAGEDATTN_NUM_THREADS")) {
-    const int v = std::atoi(env);
-    if (v > 0) return std::min(v, 256);
+  const char* env = std::getenv("PAGEDATTN_NUM_THREADS");
+  if (env != nullptr && *env != '\0') {
+    const std::string text(env);
+    std::size_t i = 0;
+    while (i < text.size() && text[i] == ' ') ++i;
+    std::size_t digits = 0;
+    long long v = 0;
+    for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i, ++digits)
+      v = std::min<long long>(v * 10 + (text[i] - '0'), 1000000);
+    while (i < text.size() && text[i] == ' ') ++i;
+    if (digits == 0 || i != text.size() || v < 1)
+      fail<InvalidArgument>("PAGEDATTN_NUM_THREADS: expected a whole number of threads (1 or more; at most ",
+                            kMaxThreads, " are used), got '", text, "'");
+    return static_cast<int>(std::min<long long>(v, kMaxThreads));
   }
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(std::min(hw, 256u));
+  return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, kMaxThreads));
 }
 
 // The pool is built on first use. A fork() leaves the child with only the forking

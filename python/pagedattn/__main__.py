@@ -1,7 +1,8 @@
-"""``python -m pagedattn``: serve a continuous-batching workload end to end (the main job).
+"""``python -m pagedattn`` (or the ``pagedattn`` console script): serve a continuous-batching
+workload end to end (the main job).
 
 Commands:
-  (none)          the serving demo: a tiny transformer with random weights served by a
+  (none), serve  the serving demo: a tiny transformer with random weights served by a
                   continuous-batching loop on pagedattn (block manager, reshape_and_cache,
                   paged_attention, copy_blocks, swap_blocks), every attention output
                   checked against float64; prints a report. ``--help`` lists its options.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 
@@ -26,6 +28,11 @@ import numpy as np
 
 import pagedattn
 from pagedattn.reference import paged_attention_ref
+
+
+def _prog() -> str:
+    """How the user ran us: the `pagedattn` console script, or `python -m pagedattn`."""
+    return "pagedattn" if os.path.basename(sys.argv[0] or "") == "pagedattn" else "python -m pagedattn"
 
 
 def _cuda_lib():
@@ -107,7 +114,7 @@ def selfcheck_main(argv=None) -> int:
     from pagedattn.demo.cli import MAX_SEED, ArgumentParser, int_in
 
     parser = ArgumentParser(
-        prog="python -m pagedattn selfcheck", description="Decode two realistic shapes and check them against float64."
+        prog=f"{_prog()} selfcheck", description="Decode two realistic shapes and check them against float64."
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="0 to 2^63 - 1 (default 0)")
@@ -162,13 +169,16 @@ def _plot_gbs(series, path, title):
     plt.close(fig)
 
 
+SWEEP_SHAPE = "4 sequences, 32 query / 8 KV heads, head size 128, float16"
+
+
 def _cpu_context_sweep(reps):
-    """GB/s of pagedattn and of the NumPy baseline over context lengths (GQA 32/8, d128, fp16, 4 seqs)."""
+    """GB/s of pagedattn and of the NumPy baseline over context lengths (SWEEP_SHAPE)."""
     from pagedattn.bench import cpu_decode
 
     rng = np.random.default_rng(0)
     series = {"pagedattn (CPU)": [], "NumPy gather + softmax": []}
-    for context in (128, 256, 512, 1024, 2048, 4096, 8192):
+    for context in SWEEP_CONTEXTS:
         args = cpu_decode.make_inputs(rng, 4, 32, 8, 128, 16, context, np.dtype(np.float16))
         out = np.empty_like(args[0])
         t_pa = cpu_decode.time_call(lambda a=args, o=out: pagedattn.paged_attention(*a, out=o), reps)
@@ -178,16 +188,20 @@ def _cpu_context_sweep(reps):
         series["NumPy gather + softmax"].append((context, kv_bytes / t_np / 1e9))
         print(
             f"  context {context:5d}: pagedattn {kv_bytes / t_pa / 1e9:6.2f} GB/s, "
-            f"NumPy {kv_bytes / t_np / 1e9:6.2f} GB/s"
+            f"NumPy {kv_bytes / t_np / 1e9:6.2f} GB/s",
+            flush=True,
         )
     return series
+
+
+SWEEP_CONTEXTS = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def bench_main(argv=None) -> int:
     from pagedattn.demo.cli import ArgumentParser, int_in, output_file
 
     argv = list(argv or [])
-    parser = ArgumentParser(prog="python -m pagedattn bench", description=_BENCH_HELP, add_help=False)
+    parser = ArgumentParser(prog=f"{_prog()} bench", description=_BENCH_HELP, add_help=False)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--plot", type=output_file, metavar="FILE.png", help="also write GB/s against context length (needs matplotlib)"
@@ -209,42 +223,51 @@ def bench_main(argv=None) -> int:
     if device == "cuda" and not (pagedattn.built_with_cuda() and _torch_gpu()):
         print("error: bench --device cuda needs a CUDA build of pagedattn and PyTorch with a GPU", file=sys.stderr)
         return 2
-    plot_problem = None
     if args.plot:
         from pagedattn.demo.report import plot_unavailable_reason
 
         plot_problem = plot_unavailable_reason()
-        if plot_problem:
-            print(f"warning: {plot_problem}; running without the plot", file=sys.stderr)
+        if plot_problem:  # refused before the benchmark runs, not found missing after it
+            print(f"error: {plot_problem}", file=sys.stderr)
+            return 2
     if device == "cuda":
         from pagedattn.bench import kernels
 
         rc = kernels.main(rest)
-        if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
+        if rc != 0 or not args.plot or "-h" in rest or "--help" in rest:
             return rc
         with open(args.json or "bench_kernels.json") as f:
             result = json.load(f)
         series = {}
         for r in result["rows"]:
             if "gbs" in r:
-                label = f"{r['impl']}, batch {r['batch']}, {r['num_heads']}/{r['num_kv_heads']} heads d{r['head_size']}"
+                label = (
+                    f"{r['impl']}, batch {r['batch']}, {r['num_heads']}/{r['num_kv_heads']} heads "
+                    f"d{r['head_size']} {r['dtype']}"
+                )
                 series.setdefault(label, []).append((r["context"], r["gbs"]))
         series = {k: v for k, v in series.items() if len(v) > 1}  # lines need two contexts
-        _plot_gbs(series, args.plot, f"paged decode on {result['device']}")
+        _plot_gbs(series, args.plot, f"paged decode on {result['device']} (block size 16; line: batch, heads, dtype)")
         print(f"wrote {args.plot}")
         return 0
     from pagedattn.bench import cpu_decode
 
     rc = cpu_decode.main(rest)
-    if rc != 0 or not args.plot or plot_problem or "-h" in rest or "--help" in rest:
+    if rc != 0 or not args.plot or "-h" in rest or "--help" in rest:
         return rc
     reps = args.reps or 3
-    print("GB/s against context length (4 sequences, 32 query / 8 KV heads, head size 128, float16):")
-    _plot_gbs(
-        _cpu_context_sweep(reps),
-        args.plot,
-        f"CPU decode, {pagedattn._core.num_threads()} threads: GB/s against context length",
-    )
+    print(f"GB/s against context length ({SWEEP_SHAPE}):", flush=True)
+    sweep = _cpu_context_sweep(reps)
+    if args.json:  # the sweep the plot shows goes into the JSON too
+        with open(args.json) as f:
+            result = json.load(f)
+        result["context_sweep"] = {
+            "shape": SWEEP_SHAPE,
+            "series": {label: [{"context": c, "gbs": g} for c, g in points] for label, points in sweep.items()},
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    _plot_gbs(sweep, args.plot, f"CPU decode, {pagedattn._core.num_threads()} threads: {SWEEP_SHAPE}")
     print(f"wrote {args.plot}")
     return 0
 
@@ -263,9 +286,9 @@ def main(argv=None) -> int:
     from pagedattn.demo.cli import ArgumentParser, add_serve_arguments, serve
 
     parser = ArgumentParser(
-        prog="python -m pagedattn",
+        prog=_prog(),
         description="Serve a continuous-batching workload with pagedattn and check every attention output. "
-        "Other commands: `python -m pagedattn bench [--help]`, `python -m pagedattn selfcheck`.",
+        f"Other commands: `{_prog()} bench [--help]`, `{_prog()} selfcheck`; `{_prog()} serve` is this command.",
     )
     parser.add_argument("--cmake-dir", action="store_true", help="print pagedattn_DIR for CMake and exit")
     parser.add_argument("--include-dir", action="store_true", help="print the C++ include folder and exit")

@@ -9,7 +9,7 @@ kernel. The options of a call are the keyword table of ``python/src/call_options
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _core
 from ._core import (
@@ -35,8 +35,14 @@ __all__ = [
 ]
 
 
-def prepare_decode(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
-                   **options: Any) -> PreparedDecode:  # fmt: skip
+if TYPE_CHECKING:
+    from ._core import SupportsDLPack  # a typing-only protocol of the stubs
+
+_Query = TypeVar("_Query", bound="SupportsDLPack")
+
+
+def prepare_decode(query: _Query, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any,
+                   **options: Any) -> PreparedDecode[_Query]:  # fmt: skip
     """Validates a :func:`paged_attention` call once; returns a :class:`PreparedDecode`.
 
     Takes the same arguments as :func:`paged_attention`. The prepared call holds every

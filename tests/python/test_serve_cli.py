@@ -82,12 +82,13 @@ def test_cli_refuses_a_pool_smaller_than_one_sequence(capsys):
     assert "raise --memory" in capsys.readouterr().err
 
 
-def test_cli_plot_without_matplotlib_says_so(monkeypatch, capsys, tmp_path):
+def test_cli_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "plot_unavailable_reason", lambda: "--plot needs matplotlib, which is not installed")
     rc = main([*SMALL, "--quiet", "--plot", str(tmp_path / "m.png")])
     captured = capsys.readouterr()
-    assert rc == 0
-    assert "needs matplotlib" in captured.err and "served 8 requests" in captured.out
+    assert rc == 2
+    assert "error: --plot needs matplotlib" in captured.err
+    assert "served" not in captured.out  # nothing ran
     assert not (tmp_path / "m.png").exists()
 
 

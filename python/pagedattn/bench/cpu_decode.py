@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -74,10 +75,13 @@ def time_call(fn, reps):
     return statistics.median(times)
 
 
-def run(reps: int = 5, seed: int = 0):
+def run(reps: int = 5, seed: int = 0, log=None):
+    """One row per shape of SHAPES; log(text), when given, hears of each shape as it starts."""
     rng = np.random.default_rng(seed)
     rows = []
-    for name, s, h, k, d, b, length, dtype in SHAPES:
+    for i, (name, s, h, k, d, b, length, dtype) in enumerate(SHAPES):
+        if log is not None:
+            log(f"[{i + 1}/{len(SHAPES)}] {name}")
         args = make_inputs(rng, s, h, k, d, b, length, np.dtype(dtype))
         out = np.empty_like(args[0])
         t_pa = time_call(lambda a=args, o=out: pagedattn.paged_attention(*a, out=o), reps)
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    rows = run(args.reps)
+    rows = run(args.reps, log=lambda text: print(text, file=sys.stderr, flush=True))
     print(f"pagedattn {pagedattn.__version__} CPU decode, {pagedattn._core.num_threads()} threads, "
           f"{platform.machine()} {platform.processor() or ''}".rstrip())
     print(f"{'shape':40s} {'pagedattn':>12s} {'GB/s':>7s} {'NumPy':>12s} {'GB/s':>7s} {'speed-up':>8s}")

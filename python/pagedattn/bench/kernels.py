@@ -230,6 +230,10 @@ def run(shapes: list[Shape], *, reps: int = 50, warmup: int = 5, use_flashinfer:
         result["flashinfer"] = None
     log(f"{props.name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     for i, shape in enumerate(shapes):
+        # Each shape takes seconds to tens of seconds (inputs, warm-up, timed repetitions
+        # for every implementation): say which one is running.
+        log(f"[{i + 1}/{len(shapes)}] {shape.name}: {shape.batch} x {shape.context} tokens, "
+            f"{shape.num_heads}/{shape.num_kv_heads} heads, d{shape.head_size}, {shape.dtype}")
         inp = _make_inputs(torch, shape, seed=1234 + i)
         elem = torch.finfo(inp["q"].dtype).bits // 8
         nbytes = shape.kv_bytes(elem) + 2 * shape.batch * shape.num_heads * shape.head_size * elem
@@ -325,7 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.shapes:
         keys = [k.strip() for k in args.shapes.split(",") if k.strip()]
         shapes = [s for s in shapes if any(k in s.name for k in keys)]
-    result = run(shapes, reps=args.reps, warmup=args.warmup, use_flashinfer=not args.no_flashinfer, flush=args.flush)
+    result = run(shapes, reps=args.reps, warmup=args.warmup, use_flashinfer=not args.no_flashinfer, flush=args.flush,
+                 log=functools.partial(print, flush=True))
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
     print()

@@ -25,7 +25,7 @@ from .engine import (
     itemsize_of,
 )
 from .model import ModelConfig
-from .report import Progress, format_report, plot_unavailable_reason, summarize, write_plot
+from .report import Progress, format_report, plot_unavailable_reason, plural, summarize, write_plot
 from .workload import WorkloadConfig
 
 __all__ = [
@@ -296,8 +296,8 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
         if args.blas_threads > 0:
             limit_blas_threads(args.blas_threads)
         plot_problem = plot_unavailable_reason() if args.plot else None
-        if plot_problem:
-            print(f"warning: {plot_problem}; running without the plot", file=err)
+        if plot_problem:  # refused before the run, not found missing after it
+            raise ConfigError(plot_problem)
         progress = None if args.quiet else Progress(args.requests, err)
         engine = Engine(cfg, backend, progress=progress)
     except (ConfigError, RuntimeError, ValueError) as e:
@@ -322,8 +322,8 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
         work = cfg.workload.describe()
         lines += [f"  workload  {work[0]}"] + [f"            {w}" for w in work[1:]]
         lines.append(
-            f"  KV pool   {cfg.num_blocks} blocks x {cfg.block_size} tokens ({pool_mb:.1f} MB) on the device, "
-            f"{cfg.num_cpu_blocks} blocks on the host for swapping; prefix caching "
+            f"  KV pool   {plural(cfg.num_blocks, 'block')} x {plural(cfg.block_size, 'token')} ({pool_mb:.1f} MB) "
+            f"on the device, {plural(cfg.num_cpu_blocks, 'block')} on the host for swapping; prefix caching "
             f"{'on' if cfg.prefix_caching else 'off'}; preemption: {cfg.preempt}"
         )
         print("\n".join(lines), file=out)
@@ -343,11 +343,13 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
     if progress is not None:
         progress.close(engine)
     summary = summarize(engine)
+    if not args.quiet:
+        print(file=out)  # a blank line between the header and the report
     print(format_report(summary), file=out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
-    if args.plot and not plot_problem:
+    if args.plot:
         write_plot(summary, args.plot)
         print(f"wrote {args.plot}", file=out)
     return 0

@@ -135,6 +135,11 @@ def summarize(e: Engine) -> dict[str, Any]:
     }
 
 
+def plural(count: int, noun: str) -> str:
+    """'1 block', '2 blocks', '0 blocks'."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MB"
 
@@ -156,8 +161,8 @@ def format_report(s: dict[str, Any]) -> str:
         else "off"
     )
     lines = [
-        "",
-        f"served {s['requests']} requests ({s['sequences']} sequences, {s['forks']} forked) in {s['seconds']:.2f} s "
+        f"served {plural(s['requests'], 'request')} ({plural(s['sequences'], 'sequence')}, {s['forks']} forked) "
+        f"in {s['seconds']:.2f} s "
         f"on {s['device']}, {s['dtype']}",
         f"  tokens generated      {s['tokens_generated']}  ({s['tokens_per_second']:.0f} tokens/s; "
         f"{s['tokens_per_second_unchecked']:.0f} tokens/s without the float64 checks)",
@@ -174,17 +179,18 @@ def format_report(s: dict[str, Any]) -> str:
         f"{mx['interrupted_prefills']} preempted part-way)",
         f"  decode steps          {s['decode_steps']}  (batch: peak {s['peak_batch']}, mean {s['mean_batch']:.1f})",
         f"  preemptions           {s['preemptions_swap'] + s['preemptions_recompute']}  "
-        f"(swap {s['preemptions_swap']}: {s['blocks_swapped_out']} blocks out, {s['blocks_swapped_in']} in; "
+        f"(swap {s['preemptions_swap']}: {plural(s['blocks_swapped_out'], 'block')} out, {s['blocks_swapped_in']} in; "
         f"recompute {s['preemptions_recompute']})",
-        f"  copy-on-write         {s['cow_block_copies']} block copies",
+        f"  copy-on-write         {s['cow_block_copies']} block cop{'y' if s['cow_block_copies'] == 1 else 'ies'}",
         f"  prefix-cache hits     {pc}",
-        f"KV memory: pool of {s['num_blocks']} blocks x {s['block_size']} tokens = {_mb(s['pool_bytes'])} "
+        f"KV memory: pool of {plural(s['num_blocks'], 'block')} x {plural(s['block_size'], 'token')} = "
+        f"{_mb(s['pool_bytes'])} "
         f"({s['kv_bytes_per_token']} bytes per token, all layers)",
         f"  paged                 {s['paged_utilisation']:.1%} of allocated slots hold tokens; "
-        f"largest batch {s['peak_batch']} sequences; {s['sharing_ratio']:.2f} sequence tokens per slot "
+        f"largest batch {plural(s['peak_batch'], 'sequence')}; {s['sharing_ratio']:.2f} sequence tokens per slot "
         "(shared prefixes and forks)",
         f"  contiguous            {s['contiguous_utilisation']:.1%} of reserved slots would hold tokens "
-        f"(reserving {s['max_len']} per sequence); largest batch {s['contiguous_max_batch']} sequences",
+        f"(reserving {s['max_len']} per sequence); largest batch {plural(s['contiguous_max_batch'], 'sequence')}",
         f"checked {checked} attention output rows{sample} ({s['checked_decode_outputs']} decode, "
         f"{s['checked_prefill_outputs']} prefill-chunk; every layer) against dense float64 attention: "
         "all within tolerance "
