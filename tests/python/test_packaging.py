@@ -97,3 +97,46 @@ def test_core_objects_survive_a_cleared_cache(tmp_path):
     second = step([cmake, "--build", str(build), "--target", "pagedattn", "-j", "2"])
     assert "Building CXX object" not in second, second[-2000:]
     assert {o: o.stat().st_mtime_ns for o in objects} == stamps
+
+
+def test_the_installed_package_is_lean():
+    """The library (with CUDA: sm_80 + sm_90 machine code and compute_90 PTX, compressed) and
+    the whole package stay far below the 25 MB a wheel may take."""
+    root = Path(pagedattn.__file__).resolve().parent
+    lib = root / "lib" / "libpagedattn.so"
+    if not lib.is_file():
+        pytest.skip("no installed libpagedattn.so beside the package")
+    assert lib.stat().st_size < 16 * 2**20, f"libpagedattn.so is {lib.stat().st_size / 2**20:.1f} MiB"
+    total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert total < 25 * 2**20, f"the package holds {total / 2**20:.1f} MiB"
+
+
+plain_run_only = pytest.mark.skipif(_asan_runtime_loaded(), reason="uses the machine's tools: the plain run covers it")
+
+
+def _configure_cuda(tmp_path, env):
+    cmake, nvcc = shutil.which("cmake"), shutil.which("nvcc")
+    if cmake is None or nvcc is None:
+        pytest.skip("needs cmake and nvcc")
+    r = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / "b"), "-DPAGEDATTN_CUDA=ON"],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.slow
+@plain_run_only
+def test_cuda_configure_says_what_it_builds_and_for_which_gpus(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUDAARCHS"}
+    out = _configure_cuda(tmp_path, env)
+    assert "pagedattn: compiling " in out and " CUDA files for " in out and "CPU only: -DPAGEDATTN_CUDA=OFF" in out
+    if "from the GPUs of this machine" not in out:  # no GPU seen: the documented default list
+        assert "architectures 80-real;90 (from the default list; no GPU seen)" in out
+
+
+@pytest.mark.slow
+@plain_run_only
+def test_cudaarchs_environment_variable_picks_the_gpus(tmp_path):
+    out = _configure_cuda(tmp_path, dict(os.environ, CUDAARCHS="90"))
+    assert "architectures 90 (from the CUDAARCHS environment variable)" in out
+    assert "for 1 architecture(s)" in out
