@@ -81,9 +81,9 @@ def paged_attention(
     partition_size: int = 0,
     workspace: Optional[SupportsDLPack] = None,
     check_block_tables: bool = False,
-    stream: Stream = None,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    stream: Stream = None,
 ) -> _Array:
     """Paged attention over the KV cache; returns a new array of the query's type, dtype and device.
 
@@ -109,9 +109,9 @@ def paged_attention(
     partition_size: int = 0,
     workspace: Optional[SupportsDLPack] = None,
     check_block_tables: bool = False,
-    stream: Stream = None,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    stream: Stream = None,
 ) -> _Out:
     """Paged attention over the KV cache, written into `out` (like the query); returns `out`."""
 
@@ -136,9 +136,9 @@ class PreparedDecode(Generic[_Array]):
         partition_size: int = 0,
         workspace: Optional[SupportsDLPack] = None,
         check_block_tables: bool = False,
-        stream: Stream = None,
         query_start_loc: Optional[SupportsDLPack] = None,
         max_query_len: Optional[int] = None,
+        stream: Stream = None,
     ) -> None: ...
     def run(self, stream: Stream = None) -> _Array: ...
     def __call__(self, stream: Stream = None) -> _Array: ...
@@ -250,6 +250,18 @@ class StepMetadata:
     @property
     def max_query_len(self) -> int: ...
 
+class PrefixPeek:
+    """What add_sequence would find in the prefix cache for a prompt (BlockManager.peek_prefix)."""
+
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def new_blocks(self) -> int: ...
+    @property
+    def reused_cached_blocks(self) -> int: ...
+    @property
+    def fits(self) -> bool: ...
+
 class BlockManager:
     """Host-side KV block manager (see pagedattn.block_manager)."""
 
@@ -297,8 +309,27 @@ class BlockManager:
     def add_sequence(self, seq_id: int, token_ids: IntSequence, *, extra_key: int = 0) -> int: ...
     def append_tokens(self, seq_id: int, token_ids: IntSequence) -> Int64Array: ...
     def append_tokens_batch(self, seq_ids: IntSequence, token_ids: IntSequence) -> Int64Array: ...
+    def add_sequence_by_count(self, seq_id: int, num_tokens: int) -> int: ...
+    def peek_prefix(self, token_ids: IntSequence, *, extra_key: int = 0) -> PrefixPeek: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
+    def fork_batch(self, parent_ids: Union[IntSequence, int], child_ids: IntSequence) -> None: ...
     def free(self, seq_id: int) -> None: ...
+    def free_batch(self, seq_ids: IntSequence) -> None: ...
+    def reset_incremental_export(self) -> None: ...
+    def step_into(
+        self,
+        seq_ids: IntSequence,
+        token_ids: Optional[IntSequence] = None,
+        *,
+        query_lens: Optional[IntSequence] = None,
+        block_tables: Optional[SupportsDLPack] = None,
+        seq_lens: Optional[SupportsDLPack] = None,
+        context_lens: Optional[SupportsDLPack] = None,
+        query_start_loc: Optional[SupportsDLPack] = None,
+        slot_mapping: Optional[SupportsDLPack] = None,
+        pad: int = 0,
+        incremental: bool = True,
+    ) -> StepMetadata: ...
     def step(
         self,
         seq_ids: IntSequence,

@@ -19,7 +19,7 @@ The normwise errors are stable: their BOUNDS are about 1.4x the largest value me
 over 2000 seeds, both layouts. The elementwise maximum is heavy-tailed (now and then one
 draw puts a single output element at the rounding worst case while max|ref| is small):
 its end-to-end bound is about 2.5x the largest value over 3000 seeds, so that a test run
-with fresh inputs does not fail on a legitimate draw. The README's Precision section
+with fresh inputs does not fail on a legitimate draw. BENCHMARKS.md's Precision section
 quotes the measured values. `python tests/python/test_precision.py
 [seeds]` prints the table again.
 """
