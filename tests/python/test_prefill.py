@@ -245,7 +245,7 @@ def test_matches_dense_causal_attention(rng):
 # in its own interpreter).
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "generic"])
-def test_instruction_set_variants(isa):
+def test_instruction_set_variants(rng, isa):
     script = textwrap.dedent(
         """
         import sys
@@ -270,7 +270,7 @@ def test_instruction_set_variants(isa):
     )
     env = dict(os.environ, PAGEDATTN_CPU_ISA=isa)
     r = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
-                        str(np.random.default_rng().integers(2**31))],
+                        str(rng.integers(2**31))],
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
