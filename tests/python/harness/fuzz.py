@@ -1763,6 +1763,7 @@ def _bad_command_lines() -> list:
         (["--cpu-memory"], ["abc", "12345678901234567890blocks", "-1"]),
         (["--rate"], ["nan", "0", "-1"]),
         (["--max-batch"], ["0", "-1", str(-(2**63))]),
+        (["--max-num-batched-tokens"], ["0", "-1", str(2**20 + 1), "many", str(2**63)]),
         (["--check"], ["1.5", "-0.5"]),
         (["--seed"], ["-1", "-5", str(2**63), str(2**64), str(-(2**63))]),
         (["--blas-threads"], ["-1", str(-(2**31))]),
