@@ -47,10 +47,10 @@ struct AttentionOptions {
   // paged_attention. Absent: one query token per sequence (decode).
   std::optional<TensorView> query_start_loc;
   // Host-side upper bound on every query_start_loc[i + 1] - query_start_loc[i]. The CUDA
-  // path never reads device memory to size its grid: the tensor-core kernel needs no bound
-  // (a flat grid of ceil(T * G / 128) + S tiles); the CUDA-core kernel (float32, other head
-  // sizes) and checked calls take max_query_len tiles per sequence, T when absent (correct,
-  // more idle CTAs). max_query_len = 1 with T = S runs the decode kernels. A sequence with
+  // path never reads device memory to size its grid: it launches max_query_len rows per
+  // sequence; without it, the tensor-core kernel a flat grid of ceil(T * G / 128) + S tiles
+  // and the CUDA-core kernel (float32, other head sizes) and checked calls T rows per
+  // sequence (correct, more idle CTAs). max_query_len = 1 with T = S runs the decode kernels. A sequence with
   // more rows is an error (raised on the host and by checked calls; NaN rows otherwise).
   std::optional<int> max_query_len;
 };
