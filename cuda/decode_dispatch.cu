@@ -10,19 +10,9 @@
 namespace pagedattn::cuda_backend {
 
 DecodeKernelInfo select_kernel(const DecodeParams& p) {
-  DecodeKernelInfo info;
-  const bool found = visit_dtype(p.dtype, [&](auto dc) {
-    using T = typename CudaElement<decltype(dc)::value>::type;
-    if (!visit_kv_cache_dtype(p.kv_cache_dtype, [&](auto kc) {
-          info = decode_kernel<T, decltype(kc)::value>(p.head_size, p.layout);
-        }))
-      fail<NotSupported>("kv_cache_dtype: \"", kv_cache_dtype_name(p.kv_cache_dtype),
-                         "\" is not supported on CUDA");
+  return select_by_types(p, [&](auto t, auto kc) {
+    return decode_kernel<typename decltype(t)::type, decltype(kc)::value>(p.head_size, p.layout);
   });
-  if (!found)
-    fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " is not supported; dtypes: ",
-                       supported::dtypes_str());
-  return info;
 }
 
 int kernel_slots_per_sm(const DecodeKernelInfo& k, int device) {

@@ -56,7 +56,30 @@ bool visit_kv_cache_dtype(KVCacheDType k, Fn&& fn) {
   return visit_kv_cache_dtype_impl(k, fn, std::make_index_sequence<supported::kKVCacheDTypes.size()>{});
 }
 
-// The kernel that serves p (throws NotSupported for a combination without one).
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// pick(TypeTag<element type>{}, std::integral_constant<KVCacheDType, ...>{}) for p's query
+// dtype and cache kind: the one dtype / cache-kind dispatch of every kernel family.
+// Throws NotSupported for a combination without kernels.
+template <class Pick>
+DecodeKernelInfo select_by_types(const DecodeParams& p, Pick&& pick) {
+  DecodeKernelInfo info;
+  const bool found = visit_dtype(p.dtype, [&](auto dc) {
+    using T = typename CudaElement<decltype(dc)::value>::type;
+    if (!visit_kv_cache_dtype(p.kv_cache_dtype, [&](auto kc) { info = pick(TypeTag<T>{}, kc); }))
+      fail<NotSupported>("kv_cache_dtype: \"", kv_cache_dtype_name(p.kv_cache_dtype),
+                         "\" is not supported on CUDA");
+  });
+  if (!found)
+    fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " is not supported; dtypes: ",
+                       supported::dtypes_str());
+  return info;
+}
+
+// The decode kernel that serves p (throws NotSupported for a combination without one).
 DecodeKernelInfo select_kernel(const DecodeParams& p);
 
 // Sets k up on `device` once (its dynamic shared-memory limit) and returns how many of

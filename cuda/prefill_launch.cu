@@ -24,19 +24,9 @@ namespace pagedattn::cuda_backend {
 namespace {
 
 DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
-  DecodeKernelInfo info;
-  const bool found = visit_dtype(p.dtype, [&](auto dc) {
-    using T = typename CudaElement<decltype(dc)::value>::type;
-    if (!visit_kv_cache_dtype(p.kv_cache_dtype, [&](auto kc) {
-          info = prefill_kernel<T, decltype(kc)::value>(p.head_size, p.layout);
-        }))
-      fail<NotSupported>("kv_cache_dtype: \"", kv_cache_dtype_name(p.kv_cache_dtype),
-                         "\" is not supported on CUDA");
+  return select_by_types(p, [&](auto t, auto kc) {
+    return prefill_kernel<typename decltype(t)::type, decltype(kc)::value>(p.head_size, p.layout);
   });
-  if (!found)
-    fail<NotSupported>("paged_attention (CUDA): dtype ", dtype_name(p.dtype), " is not supported; dtypes: ",
-                       supported::dtypes_str());
-  return info;
 }
 
 }  // namespace
