@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings.hpp"
+#include "call_options.hpp"
 #include "ndarray.hpp"
 #include "pagedattn/block_manager.hpp"
 
@@ -607,7 +608,7 @@ void bind_block_manager(nb::module_& m) {
             const auto children = int_arg<std::int64_t>(child_ids, "fork_batch", "child_ids");
             IntArg<std::int64_t> parents;
             if (PyLong_Check(parent_ids.ptr())) {  // one parent for every child
-              parents.store.assign(static_cast<std::size_t>(children.size), nb::cast<std::int64_t>(parent_ids));
+              parents.store.assign(static_cast<std::size_t>(children.size), int64_arg(parent_ids, "parent_ids"));
               parents.ptr = parents.store.data();
               parents.size = children.size;
             } else {

@@ -366,3 +366,13 @@ def test_fork_batch_equals_fork_one_by_one_and_is_all_or_nothing():
     assert state(m) == state(twin)
     assert m.ref_count(m.block_table(1)[0]) == 4
     m.check_invariants()
+
+
+@pytest.mark.parametrize("parent", [2**63, -(2**63) - 1, 2**64])
+def test_fork_batch_parent_outside_int64_is_a_typed_error(parent):
+    m = pagedattn.BlockManager(8, 4)
+    m.add_sequence(0, [1, 2, 3])
+    m.step([0])
+    with pytest.raises(ValueError, match="parent_ids"):
+        m.fork_batch(parent, [1])
+    assert m.num_sequences == 1

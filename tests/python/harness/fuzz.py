@@ -985,6 +985,14 @@ def _pair_list(a: Any) -> list:
 # The calls that change a manager's state, replayed on the reference model once the C++
 # manager took them: (the model's call from the C++ call's arguments, the C++ result as
 # the model returns it). Arguments reach the model in its plain form (ints, lists of ints).
+def _pool_sized(r: Any, n: int) -> int:
+    """A token count the reference model can represent: one beyond every block of its pool
+    is refused for want of blocks, as the manager refuses it (without building the list)."""
+    if n > (r.num_blocks + 1) * r.bs:
+        raise ReferenceOutOfBlocks(f"{n} tokens need more blocks than the pool has")
+    return n
+
+
 _MIRRORED = {
     "add_sequence": (lambda r, a, kw: r.add_sequence(int(a[0]), _ints(a[1]), extra_key=int(kw["extra_key"])),
                      int),
@@ -1001,7 +1009,17 @@ _MIRRORED = {
     "swap_out": (lambda r, a, kw: r.swap_out(_ints(a[0])), _pair_list),
     "swap_in": (lambda r, a, kw: r.swap_in(_ints(a[0])), _pair_list),
     "stats": (lambda r, a, kw: r.reset_prefix_cache_stats(), lambda x: None),
+    "add_sequence_by_count": (lambda r, a, kw: r.add_sequence_by_count(int(a[0]), _pool_sized(r, int(a[1]))), int),
+    "free_batch": (lambda r, a, kw: r.free_batch(_ints(a[0])), lambda x: x),
+    "fork_batch": (lambda r, a, kw: r.fork_batch(a[0] if isinstance(a[0], int) else _ints(a[0]), _ints(a[1])),
+                   lambda x: x),
+    "peek_prefix": (lambda r, a, kw: r.peek_prefix(_ints(a[0]), extra_key=int(kw["extra_key"])),
+                    lambda p: {"cached_tokens": p.cached_tokens, "new_blocks": p.new_blocks,
+                               "reused_cached_blocks": p.reused_cached_blocks, "fits": p.fits}),
 }  # fmt: skip
+# step_into fills the caller's persistent buffers (or none): its effect on the manager is
+# compared through the state snapshot after the call, not through its outputs.
+_MIRRORED["step_into"] = (lambda r, a, kw: (_MIRRORED["step"][0](r, a, kw), None)[1], lambda md: None)
 
 
 def _run_bm_call(m: Any, name: str, args: tuple, kwargs: dict) -> Any:
@@ -1126,6 +1144,18 @@ def fuzz_block_manager(d: Draw) -> Outcome:
                          max_blocks=d.choice([None, None, 0, 64] + maybe_big()),
                          pad=d.choice([0, -1, 2**31 - 1]),
                          seq_lens=out_arr((len(ids),)) if d.bool(0.3) else None))(ids_list()),
+        "step_into": lambda: (lambda ids: one(ids, token_ids=d.choice([None, [2] * len(ids), [2]]),
+                              query_lens=d.choice([None, None, [1] * len(ids), [2**40] * len(ids)]),
+                              block_tables=d.choice([None, out_arr((len(ids) + d.int(0, 3), d.int(0, 12)))]),
+                              seq_lens=d.choice([None, out_arr((len(ids) + d.int(0, 3),))]),
+                              slot_mapping=d.choice([None, np.zeros(d.int(0, 80), np.int64),
+                                                     np.zeros(4, np.int32)]),
+                              pad=d.choice([0, -1]), incremental=d.bool(0.7)))(ids_list()),
+        "add_sequence_by_count": lambda: one(d.int(0, 30) if d.bool(0.7) else seq_id(),
+                                             d.choice([0, 1, bs, 3 * bs + 1, -1, 2**40])),
+        "free_batch": lambda: one(ids_list()),
+        "fork_batch": lambda: one(d.choice([seq_id(), ids_list()]), [d.int(0, 40) for _ in range(d.int(0, 3))]),
+        "peek_prefix": lambda: one(tokens(), extra_key=d.choice([0, 1])),
         "take_copy_pairs": lambda: one(),
         "swap_out": lambda: one(ids_list()),
         "swap_in": lambda: one(ids_list()),
