@@ -147,7 +147,7 @@ def run_scheduler_benchmarks(quick: bool = False) -> dict:
     # Finishing 64 sequences of 2048 tokens: one call against 64.
     for name in ("free_x64", "free_batch_x64") if new_api else ("free_x64",):
         times = []
-        for r in range(max(5, reps // 10)):
+        for _ in range(max(5, reps // 10)):
             m = BlockManager(32768, 16)
             for i in range(64):
                 m.add_sequence_by_count(i, 2048) if new_api else m.add_sequence(i, kinds["int32"])

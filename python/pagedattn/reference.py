@@ -10,7 +10,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["fp8_decode", "gather_kv", "dense_attention", "causal_attention", "paged_attention_ref", "reshape_and_cache_ref"]
+__all__ = [
+    "fp8_decode",
+    "gather_kv",
+    "dense_attention",
+    "causal_attention",
+    "paged_attention_ref",
+    "reshape_and_cache_ref",
+]
 
 
 def _fp8_table(kind: str) -> np.ndarray:

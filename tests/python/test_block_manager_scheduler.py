@@ -48,8 +48,13 @@ class Buffers:
         self.slot_mapping = np.full(tokens, -7, np.int64)
 
     def kw(self):
-        return dict(block_tables=self.bt, seq_lens=self.seq_lens, context_lens=self.context_lens,
-                    query_start_loc=self.query_start_loc, slot_mapping=self.slot_mapping)
+        return dict(
+            block_tables=self.bt,
+            seq_lens=self.seq_lens,
+            context_lens=self.context_lens,
+            query_start_loc=self.query_start_loc,
+            slot_mapping=self.slot_mapping,
+        )
 
 
 def step_both(m, twin, bufs, ids, tokens=None, pad=-1, incremental=True, **kw):
@@ -152,7 +157,11 @@ def test_step_into_checks_buffer_sizes_and_types_before_changing_anything():
     m.add_sequence(2, [1])
     before = state(m)
     cases = [
-        (dict(block_tables=np.zeros((1, 4), np.int32)), ValueError, r"block_tables must have shape \[R, M\] with R >= 2"),
+        (
+            dict(block_tables=np.zeros((1, 4), np.int32)),
+            ValueError,
+            r"block_tables must have shape \[R, M\] with R >= 2",
+        ),
         (dict(block_tables=np.zeros((4, 2), np.int32)), ValueError, "M >= 3"),
         (dict(block_tables=np.zeros((4, 4), np.int64)), TypeError, "block_tables must be int32"),
         (dict(seq_lens=np.zeros(1, np.int32)), ValueError, r"seq_lens must have shape \[L\] with L >= 2"),
@@ -213,8 +222,14 @@ def test_step_into_drains_copy_pairs_like_step():
 # ---- admission -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "tokens",
-    [array.array("i", [5, 6, 7]), array.array("q", [5, 6, 7]), memoryview(np.array([5, 6, 7], np.int32)),
-     np.array([5, 6, 7], np.int64), np.array([5, 9, 6, 9, 7], np.int64)[::2], np.array([5, 6, 7], np.uint16)],
+    [
+        array.array("i", [5, 6, 7]),
+        array.array("q", [5, 6, 7]),
+        memoryview(np.array([5, 6, 7], np.int32)),
+        np.array([5, 6, 7], np.int64),
+        np.array([5, 9, 6, 9, 7], np.int64)[::2],
+        np.array([5, 6, 7], np.uint16),
+    ],
 )
 def test_admission_accepts_array_likes(tokens):
     m = BlockManager(8, 2, enable_prefix_caching=True)

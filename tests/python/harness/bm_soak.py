@@ -54,6 +54,7 @@ import time
 from typing import Optional
 
 import numpy as np
+
 import pagedattn
 from reference_block_manager import ReferenceBlockManager, ReferenceOutOfBlocks
 
