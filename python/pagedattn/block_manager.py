@@ -13,8 +13,8 @@ integer array without per-element conversion, and ``add_sequence_by_count`` admi
 its length when prefix caching is off; ``peek_prefix`` tells how many prompt tokens are cached
 and how many blocks admission would take, changing nothing; ``free_batch`` and ``fork_batch``
 finish or fork many sequences in one all-or-nothing call. ``OutOfBlocksError`` (a
-``RuntimeError``) is raised when the pool cannot serve a request, ``KeyError`` for an unknown sequence id, ``ValueError`` for bad values
-(including output arrays that share memory with an input or with each other); a call that raises
+``RuntimeError``) is raised when the pool cannot serve a request, ``KeyError`` for an unknown
+sequence id, ``ValueError`` for bad values (including output arrays that share memory with an input or with each other); a call that raises
 leaves the manager unchanged. Prefix-cache hits are exact: a cached block is reused only after
 exactly the same prefix of token ids (any int32 values), so no hash collision can give a false hit.
 
