@@ -14,8 +14,8 @@ its length when prefix caching is off; ``peek_prefix`` tells how many prompt tok
 and how many blocks admission would take, changing nothing; ``free_batch`` and ``fork_batch``
 finish or fork many sequences in one all-or-nothing call. ``OutOfBlocksError`` (a
 ``RuntimeError``) is raised when the pool cannot serve a request, ``KeyError`` for an unknown
-sequence id, ``ValueError`` for bad values (including output arrays that share memory with an input or with each other); a call that raises
-leaves the manager unchanged. Prefix-cache hits are exact: a cached block is reused only after
+sequence id, ``ValueError`` for bad values (including output arrays that share memory with an
+input or with each other); a call that raises leaves the manager unchanged. Prefix-cache hits are exact: a cached block is reused only after
 exactly the same prefix of token ids (any int32 values), so no hash collision can give a false hit.
 
 Thread safety: none. Calls hold the GIL, so Python threads are serialized on standard CPython;
