@@ -35,6 +35,7 @@ def test_report_says_one_request_not_one_requests():
     assert out.returncode == 0, out.stderr
     assert "served 1 request (" in out.stdout
     assert "1 requests" not in out.stdout and "1 sequences" not in out.stdout and "1 blocks" not in out.stdout
+    assert "for 1 prefill " in out.stdout and "1 prefills" not in out.stdout  # one request: one prefill
 
 
 def test_quiet_output_starts_with_the_report():

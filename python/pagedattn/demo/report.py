@@ -172,8 +172,8 @@ def format_report(s: dict[str, Any]) -> str:
         f"decode only, {mx['prefill_only_steps']} prefill only)",
         f"  step tokens           {mx['decode_tokens']} decode + {mx['prefill_chunk_tokens']} prefill-chunk  "
         f"(per step: mean {mx['mean_tokens_per_step']:.1f}, peak {mx['peak_tokens_per_step']}; "
-        f"{mx['full_budget_steps']} steps used the whole budget)",
-        f"  prompt chunks         {mx['prompt_chunks']} for {mx['prefills']} prefills  "
+        f"{plural(mx['full_budget_steps'], 'step')} used the whole budget)",
+        f"  prompt chunks         {mx['prompt_chunks']} for {plural(mx['prefills'], 'prefill')}  "
         f"({mx['chunked_prefills']} split over several steps, at most {mx['chunks_per_prefill_max']}; "
         f"{_histogram(mx['chunks_per_prefill_histogram'])}; "
         f"{mx['interrupted_prefills']} preempted part-way)",
