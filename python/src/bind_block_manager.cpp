@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -325,29 +326,65 @@ nb::object empty_pairs() {
   return *cached;
 }
 
+// The request of a step() / step_into() call of `fn`, with the converted id, token and
+// query-length arrays it points into (so it is neither copied nor moved).
+struct StepArgs {
+  IntArg<std::int64_t> ids;
+  IntArg<std::int32_t> toks;
+  IntArg<std::int64_t> qlens;
+  StepRequest req;
+
+  StepArgs(const char* fn, nb::handle seq_ids, nb::handle token_ids, nb::handle query_lens)
+      : ids(int_arg<std::int64_t>(seq_ids, fn, "seq_ids")) {
+    req.seq_ids = ids.ptr;
+    req.num_seqs = ids.size;
+    if (!token_ids.is_none()) {
+      toks = int_arg<std::int32_t>(token_ids, fn, "token_ids");
+      if (toks.size != ids.size)
+        fail<InvalidArgument>(fn, ": token_ids has ", toks.size, " entries for ", ids.size,
+                              " sequences (one new token per sequence)");
+      req.new_tokens = toks.ptr;
+    }
+    if (!query_lens.is_none()) {
+      qlens = int_arg<std::int64_t>(query_lens, fn, "query_lens");
+      if (qlens.size != ids.size)
+        fail<InvalidArgument>(fn, ": query_lens has ", qlens.size, " entries for ", ids.size, " sequences");
+      req.query_lens = qlens.ptr;
+    }
+  }
+  StepArgs(const StepArgs&) = delete;
+  StepArgs& operator=(const StepArgs&) = delete;
+};
+
+// The StepMetadata of a finished step: its output objects (block_tables, seq_lens,
+// context_lens, query_start_loc, slot_mapping), the pending copy pairs and the sizes.
+StepMetadata step_metadata(BlockManager& m, const StepShape& shape, std::array<nb::object, 5> outputs) {
+  StepMetadata md;
+  md.block_tables = std::move(outputs[0]);
+  md.seq_lens = std::move(outputs[1]);
+  md.context_lens = std::move(outputs[2]);
+  md.query_start_loc = std::move(outputs[3]);
+  md.slot_mapping = std::move(outputs[4]);
+  if (m.num_pending_copies() == 0) {
+    md.copy_pairs = empty_pairs();
+  } else {
+    BlockManager::BlockPairs pairs;
+    m.take_copy_pairs(pairs);
+    md.copy_pairs = pairs_array(pairs);
+  }
+  md.num_seqs = shape.num_seqs;
+  md.num_tokens = shape.num_tokens;
+  md.max_seq_len = shape.max_seq_len;
+  md.max_query_len = shape.max_query_len;
+  return md;
+}
+
 StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids, nb::handle query_lens,
                       const nb::object& block_tables, const nb::object& seq_lens, const nb::object& context_lens,
                       const nb::object& query_start_loc, const nb::object& slot_mapping,
                       std::optional<std::int64_t> max_blocks, std::int32_t pad) {
-  const auto ids = int_arg<std::int64_t>(seq_ids, "step", "seq_ids");
-  IntArg<std::int32_t> toks;
-  IntArg<std::int64_t> qlens;
-  StepRequest req;
-  req.seq_ids = ids.ptr;
-  req.num_seqs = ids.size;
-  if (!token_ids.is_none()) {
-    toks = int_arg<std::int32_t>(token_ids, "step", "token_ids");
-    if (toks.size != ids.size)
-      fail<InvalidArgument>("step: token_ids has ", toks.size, " entries for ", ids.size,
-                            " sequences (one new token per sequence)");
-    req.new_tokens = toks.ptr;
-  }
-  if (!query_lens.is_none()) {
-    qlens = int_arg<std::int64_t>(query_lens, "step", "query_lens");
-    if (qlens.size != ids.size)
-      fail<InvalidArgument>("step: query_lens has ", qlens.size, " entries for ", ids.size, " sequences");
-    req.query_lens = qlens.ptr;
-  }
+  const StepArgs args("step", seq_ids, token_ids, query_lens);
+  const StepRequest& req = args.req;
   const StepShape shape = m.plan_step(req);
   const std::int64_t width = table_width(m, shape.max_blocks, max_blocks, "step");
   const auto n = static_cast<std::size_t>(shape.num_seqs);
@@ -365,24 +402,7 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
   out.pad = pad;
   m.step(req, out);
 
-  StepMetadata md;
-  md.block_tables = bt.obj;
-  md.seq_lens = sl.obj;
-  md.context_lens = cl.obj;
-  md.query_start_loc = qs.obj;
-  md.slot_mapping = sm.obj;
-  if (m.num_pending_copies() == 0) {
-    md.copy_pairs = empty_pairs();
-  } else {
-    BlockManager::BlockPairs pairs;
-    m.take_copy_pairs(pairs);
-    md.copy_pairs = pairs_array(pairs);
-  }
-  md.num_seqs = shape.num_seqs;
-  md.num_tokens = shape.num_tokens;
-  md.max_seq_len = shape.max_seq_len;
-  md.max_query_len = shape.max_query_len;
-  return md;
+  return step_metadata(m, shape, {bt.obj, sl.obj, cl.obj, qs.obj, sm.obj});
 }
 
 // step_into: the caller's persistent buffers, filled up to their capacity; no new arrays
@@ -391,25 +411,8 @@ StepMetadata run_step_into(BlockManager& m, nb::handle seq_ids, nb::handle token
                            const nb::object& block_tables, const nb::object& seq_lens,
                            const nb::object& context_lens, const nb::object& query_start_loc,
                            const nb::object& slot_mapping, std::int32_t pad, bool incremental) {
-  const auto ids = int_arg<std::int64_t>(seq_ids, "step_into", "seq_ids");
-  IntArg<std::int32_t> toks;
-  IntArg<std::int64_t> qlens;
-  StepRequest req;
-  req.seq_ids = ids.ptr;
-  req.num_seqs = ids.size;
-  if (!token_ids.is_none()) {
-    toks = int_arg<std::int32_t>(token_ids, "step_into", "token_ids");
-    if (toks.size != ids.size)
-      fail<InvalidArgument>("step_into: token_ids has ", toks.size, " entries for ", ids.size,
-                            " sequences (one new token per sequence)");
-    req.new_tokens = toks.ptr;
-  }
-  if (!query_lens.is_none()) {
-    qlens = int_arg<std::int64_t>(query_lens, "step_into", "query_lens");
-    if (qlens.size != ids.size)
-      fail<InvalidArgument>("step_into: query_lens has ", qlens.size, " entries for ", ids.size, " sequences");
-    req.query_lens = qlens.ptr;
-  }
+  const StepArgs args("step_into", seq_ids, token_ids, query_lens);
+  const StepRequest& req = args.req;
   TensorView views[5];
   const nb::object* given[5] = {&block_tables, &seq_lens, &context_lens, &query_start_loc, &slot_mapping};
   static const char* const names[5] = {"block_tables", "seq_lens", "context_lens", "query_start_loc",
@@ -435,24 +438,7 @@ StepMetadata run_step_into(BlockManager& m, nb::handle seq_ids, nb::handle token
   out.incremental = incremental;
   const StepShape shape = m.step(req, out);
 
-  StepMetadata md;
-  md.block_tables = block_tables;
-  md.seq_lens = seq_lens;
-  md.context_lens = context_lens;
-  md.query_start_loc = query_start_loc;
-  md.slot_mapping = slot_mapping;
-  if (m.num_pending_copies() == 0) {
-    md.copy_pairs = empty_pairs();
-  } else {
-    BlockManager::BlockPairs pairs;
-    m.take_copy_pairs(pairs);
-    md.copy_pairs = pairs_array(pairs);
-  }
-  md.num_seqs = shape.num_seqs;
-  md.num_tokens = shape.num_tokens;
-  md.max_seq_len = shape.max_seq_len;
-  md.max_query_len = shape.max_query_len;
-  return md;
+  return step_metadata(m, shape, {block_tables, seq_lens, context_lens, query_start_loc, slot_mapping});
 }
 
 std::vector<std::int32_t> table_list(const BlockManager& m, std::int64_t seq_id) { return m.block_table(seq_id); }

@@ -11,21 +11,13 @@ import array
 
 import numpy as np
 import pytest
+from test_block_manager import state  # the manager's observable state, defined once
 
 pagedattn = pytest.importorskip("pagedattn")
 BlockManager = pagedattn.BlockManager
 OutOfBlocksError = pagedattn.OutOfBlocksError
 
 
-def state(m):
-    return (
-        m.num_free_blocks,
-        m.num_cached_blocks,
-        m.num_used_blocks,
-        m.num_free_cpu_blocks,
-        m.num_pending_copies,
-        {i: (m.block_table(i), m.seq_len(i), m.num_computed(i)) for i in m.sequence_ids()},
-    )
 
 
 def full_rows(m, ids, width, pad):
