@@ -1,7 +1,7 @@
-"""The README's Python examples run, and type-check with mypy and pyright against the
-package's stubs, so the README cannot drift from the library.
+"""The Python examples of the README and of docs/*.md run, and type-check with mypy and
+pyright against the package's stubs, so the documentation cannot drift from the library.
 
-Each ```python block of README.md is a self-contained program. A block that imports a module
+Each ```python block of README.md and docs/*.md is a self-contained program. A block that imports a module
 this environment lacks (torch without PyTorch installed) is skipped, in the run and in the
 type checks alike. The README's install and test commands are checked too: CI runs them.
 """
@@ -22,10 +22,11 @@ from fuzz import _asan_runtime_loaded
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    return [code for doc in DOCS for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), flags=re.S | re.M)]
 
 
 def _importable(name: str) -> bool:
@@ -59,9 +60,11 @@ def _runnable() -> list[tuple[int, str]]:
     return [(i, code) for i, code in enumerate(BLOCKS) if not _missing_modules(code)]
 
 
-def test_readme_has_python_examples():
-    assert len(BLOCKS) >= 5
+def test_docs_have_python_examples():
+    assert len(BLOCKS) >= 8
     assert any("paged_attention(" in b for b in BLOCKS) and any("BlockManager(" in b for b in BLOCKS)
+    readme = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert any("paged_attention(" in b for b in readme)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -69,11 +72,11 @@ def test_readme_example_runs(index, tmp_path):
     code = BLOCKS[index]
     missing = _missing_modules(code)
     if missing:
-        pytest.skip(f"README example {index} needs {', '.join(missing)}")
+        pytest.skip(f"example {index} needs {', '.join(missing)}")
     script = tmp_path / f"readme_example_{index}.py"
     script.write_text(code)
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"README example {index} failed:\n{code}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"documentation example {index} failed:\n{code}\n{run.stderr[-3000:]}"
 
 
 def _write_runnable(folder: Path) -> list[str]:
@@ -92,7 +95,7 @@ def test_readme_examples_pass_mypy(tmp_path):
     run = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / ".mypy_cache"),
                           "--python-executable", sys.executable, "--no-error-summary", *files],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, f"mypy on the README's examples:\n{run.stdout}{run.stderr}"
+    assert run.returncode == 0, f"mypy on the documentation's examples:\n{run.stdout}{run.stderr}"
 
 
 @needs_plain_run
@@ -104,7 +107,7 @@ def test_readme_examples_pass_pyright(tmp_path):
     env = dict(os.environ, PYRIGHT_PYTHON_IGNORE_WARNINGS="1")  # no look-up of a newer pyright
     run = subprocess.run([sys.executable, "-m", "pyright", "--pythonpath", sys.executable, *files],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
-    assert run.returncode == 0, f"pyright on the README's examples:\n{run.stdout[-5000:]}{run.stderr[-2000:]}"
+    assert run.returncode == 0, f"pyright on the documentation's examples:\n{run.stdout[-5000:]}{run.stderr[-2000:]}"
     assert f"{len(files)} source file" in run.stdout or "0 errors" in run.stdout
 
 
@@ -136,12 +139,13 @@ def test_readme_gives_the_ci_commands():
     assert 'pip install ".[test]" && pytest' in ci
 
 
-def test_readme_links_resolve():
-    text = README.read_text()
-    for target in re.findall(r"\]\(([^)#:]+)\)", text):
-        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_doc_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
+        assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
 
 
 def test_readme_stays_short():
-    # a screenful of what a user needs; developer notes live in CONTRIBUTING.md, tables in BENCHMARKS.md
-    assert len(README.read_text()) < 20_000
+    # a screenful of what a user needs; the API reference lives in docs/, developer notes in
+    # CONTRIBUTING.md, tables in BENCHMARKS.md
+    assert len(README.read_text()) < 16_000
