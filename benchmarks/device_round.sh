@@ -4,7 +4,11 @@
 # host cost, the small-shape sweep (with and without programmatic dependent launch), the
 # full benchmark with FlashInfer and the user-facing commands. Stages are chosen with
 # PA_ROUND; everything lands in $OUT (at most 8 files).
-#   PA_TESTS="tests/python/..." PA_ROUND="build test sanitize host small bench cli" bash benchmarks/device_round.sh
+#   PA_TESTS="tests/python/..." PA_ROUND="build test sanitize host small bench prefill scripts cli" \
+#     bash benchmarks/device_round.sh
+# `prefill` runs prefill_bench.py (FlashInfer's prefill modules compile in the background
+# from the start of the round); `scripts` runs each benchmark script named in PA_SCRIPTS
+# ("name.py [args]" separated by ";"), each with --json into $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -25,6 +29,13 @@ if has bench && ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
     "$REPO"/.whl/*.whl > "$LOGS/fi_install.log" 2>&1
   (cd /tmp && PYTHONPATH=/tmp/site timeout 400 python3 "$REPO/benchmarks/fi_warm.py" > "$LOGS/fi_warm.log" 2>&1) &
   fi_pid=$!
+fi
+fp_pid=
+if has prefill && ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
+  [ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$REPO"/.whl/*.whl > "$LOGS/fi_install.log" 2>&1
+  (cd /tmp && PYTHONPATH=/tmp/site timeout 520 python3 "$REPO/benchmarks/fi_prefill_warm.py" > "$LOGS/fi_prefill_warm.log" 2>&1) &
+  fp_pid=$!
 fi
 
 if has build; then
@@ -80,6 +91,25 @@ if has bench; then
   note "bench: rc=$? in $(( $(date +%s) - t0 )) s"
   sed -n '/^Device:/,$p' "$LOGS/bench.log" >> "$S"
 fi
+if has prefill; then
+  [ -n "$fp_pid" ] && wait "$fp_pid" && note "$(cat "$LOGS/fi_prefill_warm.log" | tr '\n' ';' | cut -c1-400)"
+  t0=$(date +%s)
+  (cd /tmp && PYTHONPATH=/tmp/site timeout ${PA_PREFILL_TIMEOUT:-240} python3 "$REPO/benchmarks/prefill_bench.py" \
+     --json "$OUT/prefill.json" > "$LOGS/prefill.log" 2>&1)
+  note "prefill bench: rc=$? in $(( $(date +%s) - t0 )) s"; cat "$LOGS/prefill.log" >> "$S"
+fi
+
+if has scripts; then
+  IFS=';' read -ra scripts <<< "${PA_SCRIPTS:-}"
+  for line in "${scripts[@]}"; do
+    read -ra words <<< "$line"; [ ${#words[@]} -gt 0 ] || continue
+    name=$(basename "${words[0]}" .py); t0=$(date +%s)
+    (cd /tmp && PYTHONPATH=/tmp/site timeout ${PA_SCRIPT_TIMEOUT:-180} python3 "$REPO/benchmarks/${words[0]}" \
+       "${words[@]:1}" --json "$OUT/$name.json" > "$LOGS/$name.log" 2>&1)
+    note "$name: rc=$? in $(( $(date +%s) - t0 )) s"; tail -40 "$LOGS/$name.log" >> "$S"
+  done
+fi
+
 if has cli; then  # the user-facing commands on the GPU
   (cd /tmp && timeout 120 python3 -m pagedattn --device cuda > "$LOGS/serve.log" 2>&1)
   note "python -m pagedattn --device cuda: rc=$? $(grep -E '^served|^checked' "$LOGS/serve.log" | tr '\n' ' ')"
