@@ -52,12 +52,16 @@ ATTENTION_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("kv_cache_dtype", "str", "auto"),
     ("k_scale", "float", 1.0),
     ("v_scale", "float", 1.0),
-    ("kernel", "str", "auto"),
+    ("decode_kernel", "str", "auto"),  # the plain call's `kernel` (see _PLAIN_NAMES)
     ("partition_size", "int", 0),
     ("check_block_tables", "bool", False),
     ("query_start_loc", "Tensor?", None),
     ("max_query_len", "int?", None),
 )
+# Operator arguments named differently from the plain call's keyword: Inductor's lowering of
+# an operator passes its arguments next to its own `kernel` parameter, so no argument may be
+# called `kernel`.
+_PLAIN_NAMES = {"decode_kernel": "kernel"}
 # The options of reshape_and_cache (the keywords of pagedattn.reshape_and_cache but `stream`).
 CACHE_WRITE_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("kv_cache_dtype", "str", "auto"),
@@ -96,7 +100,7 @@ _SWAP_BLOCKS_SCHEMA = "(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()"
 def _named(table: Sequence[tuple[str, str, Any]], values: Sequence[Any]) -> dict[str, Any]:
     """The option values of an operator call (the dispatcher may leave trailing defaults out)
     as the plain call's keywords."""
-    return {name: v for (name, _, _), v in zip(table, values)}
+    return {_PLAIN_NAMES.get(name, name): v for (name, _, _), v in zip(table, values)}
 
 
 def _op(name: str, schema: str, mutates: Sequence[str], impl: Callable[..., Any]) -> Any:
