@@ -172,8 +172,15 @@ def _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, 
         op, query.device, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
         seq_lens=seq_lens, alibi_slopes=options.get("alibi_slopes"), query_start_loc=qsl,
     )  # fmt: skip
-    _expect(query.dim() == 3, ValueError, op, f"query: expected [S, H, D] (or [T, H, D]), got shape {tuple(query.shape)}")
-    _expect(key_cache.dim() in (4, 5), ValueError, op, f"key_cache: expected 4 or 5 dimensions, got shape {tuple(key_cache.shape)}")
+    _expect(
+        query.dim() == 3, ValueError, op, f"query: expected [S, H, D] (or [T, H, D]), got shape {tuple(query.shape)}"
+    )
+    _expect(
+        key_cache.dim() in (4, 5),
+        ValueError,
+        op,
+        f"key_cache: expected 4 or 5 dimensions, got shape {tuple(key_cache.shape)}",
+    )
     _check_index(op, "block_tables", block_tables, 2, (torch.int32,))
     _check_index(op, "seq_lens", seq_lens, 1, (torch.int32,))
     _expect(
@@ -218,7 +225,12 @@ def _(key, value, key_cache, value_cache, slot_mapping, *options):
     op = "reshape_and_cache"
     _check_devices(op, key.device, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     _expect(key.dim() == 3, ValueError, op, f"key: expected [T, K, D], got shape {tuple(key.shape)}")
-    _expect(value.shape == key.shape, ValueError, op, f"value: expected shape {tuple(key.shape)} (the key's), got {tuple(value.shape)}")
+    _expect(
+        value.shape == key.shape,
+        ValueError,
+        op,
+        f"value: expected shape {tuple(key.shape)} (the key's), got {tuple(value.shape)}",
+    )
     _check_index(op, "slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     _expect(
         slot_mapping.shape[0] == key.shape[0], ValueError, op,
@@ -228,7 +240,12 @@ def _(key, value, key_cache, value_cache, slot_mapping, *options):
 
 def _check_block_mapping(op: str, block_mapping: torch.Tensor) -> None:
     _check_index(op, "block_mapping", block_mapping, 2, (torch.int32, torch.int64))
-    _expect(block_mapping.shape[1] == 2, ValueError, op, f"block_mapping: expected [P, 2], got shape {tuple(block_mapping.shape)}")
+    _expect(
+        block_mapping.shape[1] == 2,
+        ValueError,
+        op,
+        f"block_mapping: expected [P, 2], got shape {tuple(block_mapping.shape)}",
+    )
 
 
 @_copy_blocks.register_fake

@@ -50,7 +50,12 @@ def test_schemas_declare_what_each_operator_writes():
     assert _written(ops.copy_blocks.default) == {"key_caches", "value_caches"}
     assert _written(ops.swap_blocks.default) == {"dst"}
     assert [r.type.kind() for r in ops.paged_attention.default._schema.returns] == ["TensorType"]
-    for op in (ops.paged_attention.out, ops.reshape_and_cache.default, ops.copy_blocks.default, ops.swap_blocks.default):
+    for op in (
+        ops.paged_attention.out,
+        ops.reshape_and_cache.default,
+        ops.copy_blocks.default,
+        ops.swap_blocks.default,
+    ):
         assert op._schema.returns == [], op
 
 
@@ -109,9 +114,13 @@ def _opcheck_cases(rng, device):
     ]  # fmt: skip
     k = torch.randn(4, kc.shape[1], q.shape[2], device=device)
     slots = torch.tensor([0, 5, -1, 7], device=device)
-    cases.append(("cache_write", ops.reshape_and_cache.default, (k, torch.randn_like(k), kc.clone(), vc.clone(), slots), {}))
+    cases.append(
+        ("cache_write", ops.reshape_and_cache.default, (k, torch.randn_like(k), kc.clone(), vc.clone(), slots), {})
+    )
     pairs = torch.tensor([[0, 2], [1, 3]], device=device)
-    cases.append(("copy_blocks", ops.copy_blocks.default, ([kc.clone(), kc.clone()], [vc.clone(), vc.clone()], pairs), {}))
+    cases.append(
+        ("copy_blocks", ops.copy_blocks.default, ([kc.clone(), kc.clone()], [vc.clone(), vc.clone()], pairs), {})
+    )
     host_pairs = torch.tensor([[0, 2], [1, 3]])
     cases.append(("swap_blocks", ops.swap_blocks.default, (kc.clone(), torch.zeros_like(kc).cpu(), host_pairs), {}))
     return cases
@@ -124,7 +133,10 @@ def test_opcheck_every_operator(rng, device):
         result = torch.library.opcheck(op, args, kwargs)
         assert set(result.values()) == {"SUCCESS"}, (name, result)
         names.add(op.name())
-    assert names == {f"pagedattn::{n}" for n in ("paged_attention", "paged_attention.out", "reshape_and_cache", "copy_blocks", "swap_blocks")}
+    assert names == {
+        f"pagedattn::{n}"
+        for n in ("paged_attention", "paged_attention.out", "reshape_and_cache", "copy_blocks", "swap_blocks")
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -333,7 +345,11 @@ def test_cuda_graphs_reduce_overhead_replays_with_new_block_tables_and_lengths()
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):  # warm-up, recording, then replays
         # a new block table (other block ids for every sequence) and new lengths every step
-        bt = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks).to(torch.int32)
+        bt = (
+            torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
+            .view(num_seqs, max_blocks)
+            .to(torch.int32)
+        )
         lengths = torch.randint(1, max_blocks * B + 1, (num_seqs,), generator=gen).tolist()
         # each sequence's history (all but its last token), written into both layers' caches
         history = _slots(bt, [0] * num_seqs, [n - 1 for n in lengths]).to(dev)
