@@ -280,23 +280,36 @@ def _attention_backward(ctx, grad):
 _attention.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
-def _refuse_grad(name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
-    """The Autograd kernel of a writing operator: raises when grad mode is on and an input
-    requires grad (what it writes cannot carry a gradient), else runs the operator."""
+# The writing operators get their own Autograd and ADInplaceOrView kernels: the first refuses
+# grad, the second bumps the version counters of the written tensors by their (fixed)
+# positions. Both hand the call on with `redispatch`, so an eager call crosses the dispatcher
+# once (the generic kernels of custom_op re-bind every argument to the schema on each call,
+# which costs more than the library call itself).
+_lib = torch.library.Library(_NS, "IMPL")
 
-    def kernel(*args, **kwargs):
-        if torch.is_grad_enabled():
-            leaves = list(args) + list(kwargs.values())
-            flat = [t for a in leaves for t in (a if isinstance(a, (list, tuple)) else (a,))]
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-                raise RuntimeError(
-                    f"pagedattn::{name} has no backward and was called with an input that requires grad: "
-                    f"the pagedattn operators are for inference; {_NO_GRAD_HINT}, or detach the inputs"
-                )
+
+def _writing_kernels(name: str, op: Any) -> None:
+    written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    below_autograd = torch._C._after_autograd_keyset
+    below_inplace_or_view = torch._C._after_ADInplaceOrView_keyset
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs):
+            raise RuntimeError(
+                f"pagedattn::{name} has no backward and was called with an input that requires grad: "
+                f"the pagedattn operators are for inference; {_NO_GRAD_HINT}, or detach the inputs"
+            )
         with torch._C._AutoDispatchBelowAutograd():
-            return impl(*args, **kwargs)
+            return op.redispatch(keyset & below_autograd, *args, **kwargs)
 
-    return kernel
+    def inplace_or_view_kernel(keyset, *args, **kwargs):
+        for i in written:
+            if i < len(args) and args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return op.redispatch(keyset & below_inplace_or_view, *args, **kwargs)
+
+    _lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    _lib.impl(name, inplace_or_view_kernel, "ADInplaceOrView", with_keyset=True)
 
 
 for _name, _overload in (
@@ -305,7 +318,7 @@ for _name, _overload in (
     ("copy_blocks", torch.ops.pagedattn.copy_blocks.default),
     ("swap_blocks", torch.ops.pagedattn.swap_blocks.default),
 ):
-    torch.library.impl(f"{_NS}::{_name}", "Autograd")(_refuse_grad(_name, _overload))
+    _writing_kernels(_name, _overload)
 
 
 # ---- Python entry points: the plain calls' signatures, on the operators ----

@@ -207,6 +207,21 @@ def test_eager_errors_are_the_plain_calls_errors(rng):
         pt.paged_attention(q, kc, vc, bt, sl, workspace=torch.empty(16, dtype=torch.uint8))
 
 
+def test_writing_operators_bump_the_version_of_what_they_write(rng):
+    """Autograd's saved-tensor checks and functionalization see the writes."""
+    _, (q, kc, vc, bt, sl) = _problem(rng, "cpu")
+    key = torch.randn(2, kc.shape[1], q.shape[2])
+    out, ws = torch.empty_like(q), torch.empty(64, dtype=torch.uint8)
+    before = [t._version for t in (kc, vc, out, ws, q, key)]
+    ops.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1]))
+    ops.copy_blocks([kc], [vc], torch.tensor([[0, 1]]))
+    ops.paged_attention.out(q, kc, vc, bt, sl, out, ws)
+    after = [t._version for t in (kc, vc, out, ws, q, key)]
+    assert [a - b for a, b in zip(after, before)] == [2, 2, 1, 1, 0, 0]
+    ops.swap_blocks(kc, vc.new_empty(kc.shape), torch.tensor([[0, 1]]))
+    assert kc._version == after[0]  # swap_blocks reads src
+
+
 def test_autograd_is_a_clear_error(rng):
     _, (q, kc, vc, bt, sl) = _problem(rng, "cpu")
     x = q.clone().requires_grad_()
