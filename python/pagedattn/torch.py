@@ -97,10 +97,18 @@ _COPY_BLOCKS_SCHEMA = "(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tens
 _SWAP_BLOCKS_SCHEMA = "(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()"
 
 
-def _named(table: Sequence[tuple[str, str, Any]], values: Sequence[Any]) -> dict[str, Any]:
+def _keywords(table: Sequence[tuple[str, str, Any]]) -> tuple[str, ...]:
+    return tuple(_PLAIN_NAMES.get(name, name) for name, _, _ in table)
+
+
+_ATTENTION_KEYWORDS = _keywords(ATTENTION_OPTIONS)
+_CACHE_WRITE_KEYWORDS = _keywords(CACHE_WRITE_OPTIONS)
+
+
+def _named(keywords: tuple[str, ...], values: Sequence[Any]) -> dict[str, Any]:
     """The option values of an operator call (the dispatcher may leave trailing defaults out)
     as the plain call's keywords."""
-    return {_PLAIN_NAMES.get(name, name): v for (name, _, _), v in zip(table, values)}
+    return dict(zip(keywords, values))
 
 
 def _op(name: str, schema: str, mutates: Sequence[str], impl: Callable[..., Any]) -> Any:
@@ -113,7 +121,7 @@ def _op(name: str, schema: str, mutates: Sequence[str], impl: Callable[..., Any]
 def _attention_impl(query, key_cache, value_cache, block_tables, seq_lens, *options):
     out = query.new_empty(query.shape)
     _api.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, out=out, **_named(ATTENTION_OPTIONS, options)
+        query, key_cache, value_cache, block_tables, seq_lens, out=out, **_named(_ATTENTION_KEYWORDS, options)
     )  # fmt: skip
     return out
 
@@ -121,12 +129,12 @@ def _attention_impl(query, key_cache, value_cache, block_tables, seq_lens, *opti
 def _attention_out_impl(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None, *options):
     _api.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, out=out, workspace=workspace,
-        **_named(ATTENTION_OPTIONS, options),
+        **_named(_ATTENTION_KEYWORDS, options),
     )  # fmt: skip
 
 
 def _cache_write_impl(key, value, key_cache, value_cache, slot_mapping, *options):
-    _api.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, **_named(CACHE_WRITE_OPTIONS, options))
+    _api.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, **_named(_CACHE_WRITE_KEYWORDS, options))
 
 
 def _copy_blocks_impl(key_caches, value_caches, block_mapping):
@@ -203,14 +211,14 @@ def _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, 
 
 @_attention.register_fake
 def _(query, key_cache, value_cache, block_tables, seq_lens, *options):
-    options = _named(ATTENTION_OPTIONS, options)
+    options = _named(_ATTENTION_KEYWORDS, options)
     _check_attention("paged_attention", query, key_cache, value_cache, block_tables, seq_lens, options)
     return query.new_empty(query.shape)
 
 
 @_attention_out.register_fake
 def _(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None, *options):
-    op, options = "paged_attention.out", _named(ATTENTION_OPTIONS, options)
+    op, options = "paged_attention.out", _named(_ATTENTION_KEYWORDS, options)
     _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, options)
     _check_devices(op, query.device, out=out, workspace=workspace)
     _expect(
