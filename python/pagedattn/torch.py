@@ -3,15 +3,20 @@
 ``import pagedattn.torch`` registers the library's calls as operators of the ``pagedattn``
 namespace (``import pagedattn`` alone never imports torch):
 
-- ``torch.ops.pagedattn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
+- ``torch.ops.pagedattn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
   <options>) -> Tensor``: a new output, contiguous, like the query;
-- ``torch.ops.pagedattn.paged_attention.out(..., *, <options>, out, workspace=None) -> ()``:
-  writes the caller's ``out`` (and uses the caller's CUDA scratch ``workspace``);
-- ``torch.ops.pagedattn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *,
+- ``torch.ops.pagedattn.paged_attention.out(query, ..., seq_lens, out, workspace=None, <options>)
+  -> ()``: writes the caller's ``out`` (and uses the caller's CUDA scratch ``workspace``);
+- ``torch.ops.pagedattn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
   kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> ()``: writes the caches;
 - ``torch.ops.pagedattn.copy_blocks(key_caches, value_caches, block_mapping) -> ()``: writes
   every cache of the two lists;
 - ``torch.ops.pagedattn.swap_blocks(src, dst, block_mapping) -> ()``: writes ``dst``.
+
+The options are the plain calls' keywords (``help(pagedattn.paged_attention)``), passed by
+keyword, with one rename: the decode-kernel choice ``kernel`` is ``decode_kernel`` in the
+operators (Inductor reserves the name). :func:`paged_attention` here takes the plain call's
+arguments, ``kernel`` and ``out`` included, and picks the operator.
 
 Their schemas declare what each one writes, and each has a fake (meta) implementation that
 computes output shapes from metadata alone, so ``torch.compile(fullgraph=True)`` traces a model
@@ -19,8 +24,7 @@ through them without a graph break and ``mode="reduce-overhead"`` captures them 
 The implementations are the plain calls (``pagedattn.paged_attention`` and friends) on the
 tensors: they run on torch's current CUDA stream (the capture stream while a graph is being
 captured), and without ``workspace`` the partitioned kernel's scratch comes from the library
-(a pool per stream, graph-owned memory during a capture). The options are those of the plain
-calls; ``help(pagedattn.paged_attention)`` documents them.
+(a pool per stream, graph-owned memory during a capture).
 
 The operators are for inference: the output of ``paged_attention`` raises ``RuntimeError`` when
 backpropagated through, and the writing operators raise ``RuntimeError`` when called with grad
@@ -345,6 +349,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """:func:`pagedattn.paged_attention` as operators: ``torch.ops.pagedattn.paged_attention``,
     or its ``.out`` overload when ``out`` is given (then returns ``out``). Same options."""
+    if "kernel" in options:
+        options["decode_kernel"] = options.pop("kernel")
     if out is None:
         if workspace is not None:
             raise ValueError("paged_attention: workspace is taken with out= only (the .out overload)")

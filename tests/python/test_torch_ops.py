@@ -199,6 +199,19 @@ def test_fake_implementations_give_shapes_and_trace_time_errors():
         ops.copy_blocks([kc], [vc], torch.empty(3, 3, dtype=torch.int64, device=meta))
 
 
+def test_decode_kernel_is_the_plain_calls_kernel_option(rng):
+    _, args = _problem(rng, "cpu")
+    want = pagedattn.paged_attention(*args, kernel="single_pass")
+    assert torch.equal(ops.paged_attention(*args, decode_kernel="single_pass"), want)
+    assert torch.equal(pt.paged_attention(*args, kernel="single_pass"), want)
+    for call in (
+        lambda: ops.paged_attention(*args, decode_kernel="bogus"),
+        lambda: pt.paged_attention(*args, kernel="bogus"),
+    ):
+        with pytest.raises(ValueError, match=r'kernel: got "bogus", expected "auto"'):
+            call()
+
+
 def test_eager_errors_are_the_plain_calls_errors(rng):
     _, (q, kc, vc, bt, sl) = _problem(rng, "cpu")
     with pytest.raises(IndexError, match=r"seq_lens\[0\] = 1000000 is outside"):
