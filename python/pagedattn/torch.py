@@ -161,21 +161,26 @@ _swap_blocks = _op("swap_blocks", _SWAP_BLOCKS_SCHEMA, ("dst",), _swap_blocks_im
 # trace time, with the plain call's error types, instead of at its first run.
 
 
-def _expect(ok: Any, exc: type[Exception], op: str, message: str) -> None:
+def _expect(ok: Any, op: str, message: str, exc: type[Exception] = ValueError) -> None:
     if not ok:
         raise exc(f"pagedattn::{op}: {message}")
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
 
 
 def _check_devices(op: str, device: torch.device, **tensors: Optional[torch.Tensor]) -> None:
     for name, t in tensors.items():
         if t is not None:
-            _expect(t.device == device, ValueError, op, f"{name} is on {t.device}, expected {device} (like the others)")
+            _expect(t.device == device, op, f"{name} is on {t.device}, expected {device} (like the others)")
 
 
 def _check_index(op: str, name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    _expect(t.dim() == ndim, ValueError, op, f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    _expect(t.dim() == ndim, op, f"{name}: expected {ndim} dimensions, got shape {_shape(t)}")
     allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-    _expect(t.dtype in dtypes, TypeError, op, f"{name}: expected {allowed}, got {str(t.dtype).replace('torch.', '')}")
+    got = str(t.dtype).replace("torch.", "")
+    _expect(t.dtype in dtypes, op, f"{name}: expected {allowed}, got {got}", TypeError)
 
 
 def _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, options) -> None:
@@ -184,33 +189,23 @@ def _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, 
         op, query.device, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
         seq_lens=seq_lens, alibi_slopes=options.get("alibi_slopes"), query_start_loc=qsl,
     )  # fmt: skip
-    _expect(
-        query.dim() == 3, ValueError, op, f"query: expected [S, H, D] (or [T, H, D]), got shape {tuple(query.shape)}"
-    )
-    _expect(
-        key_cache.dim() in (4, 5),
-        ValueError,
-        op,
-        f"key_cache: expected 4 or 5 dimensions, got shape {tuple(key_cache.shape)}",
-    )
+    _expect(query.dim() == 3, op, f"query: expected [S, H, D] (or [T, H, D]), got shape {_shape(query)}")
+    _expect(key_cache.dim() in (4, 5), op, f"key_cache: expected 4 or 5 dimensions, got shape {_shape(key_cache)}")
     _check_index(op, "block_tables", block_tables, 2, (torch.int32,))
     _check_index(op, "seq_lens", seq_lens, 1, (torch.int32,))
-    _expect(
-        block_tables.shape[0] == seq_lens.shape[0], ValueError, op,
-        f"block_tables has {block_tables.shape[0]} rows but seq_lens {seq_lens.shape[0]} sequences",
-    )  # fmt: skip
+    num_seqs = seq_lens.shape[0]
+    rows = block_tables.shape[0]
+    _expect(rows == num_seqs, op, f"block_tables has {rows} rows but seq_lens {num_seqs} sequences")
     if qsl is None:
         _expect(
-            query.shape[0] == seq_lens.shape[0], ValueError, op,
-            f"query has {query.shape[0]} rows but seq_lens {seq_lens.shape[0]} sequences "
+            query.shape[0] == num_seqs, op,
+            f"query has {query.shape[0]} rows but seq_lens {num_seqs} sequences "
             "(more query rows per sequence need query_start_loc)",
         )  # fmt: skip
     else:
         _check_index(op, "query_start_loc", qsl, 1, (torch.int32,))
-        _expect(
-            qsl.shape[0] == seq_lens.shape[0] + 1, ValueError, op,
-            f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (S + 1), got {qsl.shape[0]}",
-        )  # fmt: skip
+        n = qsl.shape[0]
+        _expect(n == num_seqs + 1, op, f"query_start_loc: expected {num_seqs + 1} entries (S + 1), got {n}")
 
 
 @_attention.register_fake
@@ -226,9 +221,9 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None
     _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, options)
     _check_devices(op, query.device, out=out, workspace=workspace)
     _expect(
-        out.shape == query.shape and out.dtype == query.dtype, ValueError, op,
-        f"out: expected shape {tuple(query.shape)} and dtype {query.dtype} (the query's), "
-        f"got shape {tuple(out.shape)} and dtype {out.dtype}",
+        out.shape == query.shape and out.dtype == query.dtype, op,
+        f"out: expected shape {_shape(query)} and dtype {query.dtype} (the query's), "
+        f"got shape {_shape(out)} and dtype {out.dtype}",
     )  # fmt: skip
 
 
@@ -236,28 +231,18 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None
 def _(key, value, key_cache, value_cache, slot_mapping, *options):
     op = "reshape_and_cache"
     _check_devices(op, key.device, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
-    _expect(key.dim() == 3, ValueError, op, f"key: expected [T, K, D], got shape {tuple(key.shape)}")
-    _expect(
-        value.shape == key.shape,
-        ValueError,
-        op,
-        f"value: expected shape {tuple(key.shape)} (the key's), got {tuple(value.shape)}",
-    )
+    _expect(key.dim() == 3, op, f"key: expected [T, K, D], got shape {_shape(key)}")
+    _expect(value.shape == key.shape, op, f"value: expected shape {_shape(key)} (the key's), got {_shape(value)}")
     _check_index(op, "slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     _expect(
-        slot_mapping.shape[0] == key.shape[0], ValueError, op,
+        slot_mapping.shape[0] == key.shape[0], op,
         f"slot_mapping: expected {key.shape[0]} slots (one per key row), got {slot_mapping.shape[0]}",
     )  # fmt: skip
 
 
 def _check_block_mapping(op: str, block_mapping: torch.Tensor) -> None:
     _check_index(op, "block_mapping", block_mapping, 2, (torch.int32, torch.int64))
-    _expect(
-        block_mapping.shape[1] == 2,
-        ValueError,
-        op,
-        f"block_mapping: expected [P, 2], got shape {tuple(block_mapping.shape)}",
-    )
+    _expect(block_mapping.shape[1] == 2, op, f"block_mapping: expected [P, 2], got shape {_shape(block_mapping)}")
 
 
 @_copy_blocks.register_fake
@@ -269,8 +254,8 @@ def _(key_caches, value_caches, block_mapping):
 def _(src, dst, block_mapping):
     _check_block_mapping("swap_blocks", block_mapping)
     _expect(
-        src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, ValueError, "swap_blocks",
-        f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ in block shape or dtype",
+        src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, "swap_blocks",
+        f"src {_shape(src)} {src.dtype} and dst {_shape(dst)} {dst.dtype} differ in block shape or dtype",
     )  # fmt: skip
 
 
