@@ -36,11 +36,14 @@ operators are what a compiled or captured model needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from . import _api, cache_ops
+
+if TYPE_CHECKING:
+    from ._core import Layout  # a typing-only alias of the stubs
 
 __all__ = ["paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks", "empty_kv_cache"]
 
@@ -372,7 +375,7 @@ def empty_kv_cache(
     head_size: int,
     dtype: torch.dtype,
     *,
-    layout: str = "vllm",
+    layout: Layout = "vllm",
     device: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(key_cache, value_cache), uninitialised, shaped by :func:`pagedattn.kv_cache_shape`
