@@ -164,8 +164,7 @@ def run_rank(
     shard = Shard.of(cfg.model, world, rank)
     backend = NumpyBackend() if args.device == "cpu" else TorchBackend(f"cuda:{local_rank}")
     if rank == 0:
-        leader = Leader(shard, comm)
-        leader.launch = "torchrun" if args.tp_launch == "torchrun" else "spawned processes"
+        leader = Leader(shard, comm, "torchrun" if args.tp_launch == "torchrun" else "spawned processes")
         rc = serve_one(args, out, err, backend=backend, tp=leader)
     else:
         rc = _follow(cfg, backend, shard, comm, err)
@@ -240,23 +239,29 @@ def spawn(fn: Callable[..., int], world: int, *args: Any) -> int:
 # ---------------------------------------------------------------------------------------
 # the in-process form the tests use
 # ---------------------------------------------------------------------------------------
-def run_engines(cfg: ServeConfig, world: int, folder: str, *, trace: bool = False) -> int:
-    """Serves ``cfg`` on ``world`` spawned CPU ranks (gloo); rank r writes ``rank{r}.pkl``
-    to ``folder``: its figures (rank 0: the report's summary with every rank's figures)
-    and, with ``trace``, its :class:`~.replica.StepTrace` steps. Returns the exit code."""
+def run_engines(cfg: ServeConfig, world: int, folder: str, *, trace: bool = False, device: str = "cpu") -> int:
+    """Serves ``cfg`` on ``world`` spawned ranks (CPU: NumPy arrays and gloo; cuda: PyTorch
+    tensors on GPU r and NCCL); rank r writes ``rank{r}.pkl`` to ``folder``: its figures
+    (rank 0: the report's summary with every rank's figures) and, with ``trace``, its
+    :class:`~.replica.StepTrace` steps. Returns the exit code."""
     import dataclasses
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
     cfg = dataclasses.replace(cfg, tensor_parallel=world)
-    return spawn(_engine_rank, world, cfg, folder, trace)
+    return spawn(_engine_rank, world, cfg, folder, trace, device)
 
 
-def _engine_rank(rank: int, world: int, init_method: str, cfg: ServeConfig, folder: str, trace: bool) -> int:
+def _engine_rank(
+    rank: int, world: int, init_method: str, cfg: ServeConfig, folder: str, trace: bool, device: str
+) -> int:
+    from .backend import TorchBackend
     from .report import summarize
 
     limit_blas_threads(1)
-    comm = init_process_group(rank, world, init_method, "cpu", rank)
+    comm = init_process_group(rank, world, init_method, device, rank)
     shard = Shard.of(cfg.model, world, rank)
-    backend = NumpyBackend()
+    backend = NumpyBackend() if device == "cpu" else TorchBackend(f"cuda:{rank}")
     result: dict[str, Any] = {"shard": shard}
     if rank == 0:
         engine = Engine(cfg, backend, tp=Leader(shard, comm))

@@ -181,10 +181,11 @@ class _RecordedChecker:
 class Leader:
     """Rank 0's side: wraps the engine's KV cache and checker, and broadcasts each step."""
 
-    def __init__(self, shard: Shard, comm: Any) -> None:
+    def __init__(self, shard: Shard, comm: Any, launch: str = "spawned processes") -> None:
+        """``launch``: how the ranks were started, for the report."""
         if shard.rank != 0:
             raise ValueError(f"the Leader runs on rank 0, not rank {shard.rank}")
-        self.shard, self.comm = shard, comm
+        self.shard, self.comm, self.launch = shard, comm, launch
         self.out = _Writer()
         self.steps = 0
         self.checker: Any = None
