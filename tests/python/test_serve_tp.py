@@ -217,8 +217,7 @@ def test_a_follower_replays_rank_0s_messages_exactly(kw):
 
 def test_a_lost_swap_shows_on_the_follower():
     """A follower that misses a swap-in reads stale blocks: its float64 check fails."""
-    from pagedattn.demo import AttentionMismatch
-    from pagedattn.demo import replica
+    from pagedattn.demo import AttentionMismatch, replica
 
     cfg = small_config(preempt="swap", num_cpu_blocks=96)
     queue = []
@@ -322,5 +321,6 @@ def test_one_cuda_rank_over_nccl_matches_the_plain_cuda_run(tmp_path):
     ranks = spawn_ranks(cfg, 1, tmp_path, device="cuda")
     tp = ranks[0]["summary"]["tensor_parallel"]
     assert tp["all_reduce_backend"] == "nccl" and tp["metadata_backend"] == "gloo"
-    # One rank: the all-reduce is the identity, so the run is the plain run, bit for bit.
-    assert_same_run(base, base_trace, ranks, (0.0, 0.0))
+    # One rank: the all-reduce is the identity and the run repeats the plain run (within the
+    # float16 tolerance: another process may get another cuBLAS kernel for the same shapes).
+    assert_same_run(base, base_trace, ranks, (3e-3, 3e-3))

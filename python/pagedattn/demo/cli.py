@@ -178,7 +178,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--memory",
         type=memory_size,
         default=DEFAULT_MEMORY,
-        help=f"device KV pool: MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); default {DEFAULT_MEMORY}; "
+        help=f"device KV pool (per rank with --tensor-parallel): MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); "
+        f"default {DEFAULT_MEMORY}; "
         f"at most {MAX_POOL_MB} MB and {MAX_BLOCKS} blocks",
     )
     g.add_argument(
@@ -311,7 +312,7 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
 
         return serve_parallel(args, out, err)
     world = os.environ.get("WORLD_SIZE", "1")
-    if world.strip() not in ("", "0", "1"):
+    if "RANK" in os.environ and world.strip() not in ("", "0", "1"):  # started by torchrun (or alike)
         print(
             f"error: started by torchrun with WORLD_SIZE={world}: pass --tensor-parallel {world} "
             "(each process would otherwise serve the whole workload on its own)",

@@ -135,7 +135,10 @@ def serve_parallel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return 2
     args = argparse.Namespace(**{**vars(args), "device": device, "tp_launch": launch})
     if launch == "torchrun":
-        os.environ.setdefault("PAGEDATTN_NUM_THREADS", str(_cpu_share(_env_int("LOCAL_WORLD_SIZE") or 1)))
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+        os.environ.setdefault(
+            "PAGEDATTN_NUM_THREADS", str(_cpu_share(int(local_world) if local_world.isdigit() else 1))
+        )
         return run_rank(args, _env_int("RANK"), n, _env_int("LOCAL_RANK"), "env://", out, err)
     out.flush()
     err.flush()
