@@ -150,6 +150,27 @@ def test_torchrun_serves_on_two_ranks_and_reports_communication(tmp_path):
         assert r["checked_decode_outputs"] == s["checked_decode_outputs"]
 
 
+def _fail_on_rank_1(rank, world, init_method, seconds):
+    """A spawned rank: rank 1 fails at once, the others would wait ``seconds``."""
+    import time
+
+    if rank == 1:
+        return 3
+    time.sleep(seconds)
+    return 0
+
+
+def test_the_first_failing_rank_decides_the_exit_code_and_stops_the_others():
+    import time
+
+    from pagedattn.demo.parallel import spawn
+
+    t0 = time.perf_counter()
+    assert spawn(_fail_on_rank_1, 3, 120.0) == 3
+    assert time.perf_counter() - t0 < 60  # ranks 0 and 2 were terminated, not waited for
+    assert spawn(_fail_on_rank_1, 1, 0.0) == 0
+
+
 # ---------------------------------------------------------------------------------------
 # the step protocol, replayed in one process (no torch)
 # ---------------------------------------------------------------------------------------
