@@ -91,6 +91,10 @@ def assert_same_run(base, base_trace, ranks, tol):
         assert r["all_reduce_calls"] == layers * steps
         assert r["broadcast_calls"] == steps + 1 + r["broadcast_grows"]
     assert 0.0 < tp["communication_share"] < 1.0
+    # The ranks share a host, so the collectives' time after the last rank arrived is known.
+    assert 0.0 <= tp["all_reduce_seconds_after_last_arrival"] <= tp["all_reduce_seconds"]
+    assert 0.0 <= tp["broadcast_seconds_after_last_arrival"] <= tp["broadcast_seconds"]
+    assert tp["communication_share_after_last_arrival"] <= tp["communication_share"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,6 +144,7 @@ def test_torchrun_serves_on_two_ranks_and_reports_communication(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tensor parallel: 2 ranks (torchrun), each 2 query / 1 KV heads; all-reduce over gloo" in p.stdout
     assert "of rank 0's step time: all-reduce" in p.stdout
+    assert "after last arrival" in p.stdout  # torchrun's ranks share this host's clock
     assert "on each of the 2 ranks, its own heads" in p.stdout
     s = json.loads(out.read_text())
     tp = s["tensor_parallel"]
@@ -253,6 +258,22 @@ def test_a_lost_swap_shows_on_the_follower():
         follower.run()
     with pytest.raises(RuntimeError, match="unknown record 99"):
         follower._apply(replica._Reader(np.asarray([99], np.int64)))
+
+
+def test_collective_time_after_the_last_rank_arrived():
+    from pagedattn.demo.report import after_last_arrival
+
+    def rank(host, calls):
+        return {"host": host, "call_times": {"all_reduce": calls, "broadcast": []}}
+
+    # Call 1: rank 1 arrives 3 s after rank 0, both leave at 5: 2 s of collective.
+    # Call 2: rank 0 arrives last (at 7) and leaves at 7.5: 0.5 s.
+    ranks = [rank("a", [(0.0, 5.0), (7.0, 7.5)]), rank("a", [(3.0, 5.0), (6.0, 7.5)])]
+    assert after_last_arrival(ranks, "all_reduce") == pytest.approx(2.5)
+    assert after_last_arrival(ranks, "broadcast") == 0.0
+    assert after_last_arrival([rank("a", [(0.0, 1.0)]), rank("b", [(0.0, 1.0)])], "all_reduce") is None  # two clocks
+    assert after_last_arrival([rank("a", [(0.0, 1.0)]), rank("a", [])], "all_reduce") is None
+    assert after_last_arrival([{"host": "a", "call_times": None}], "all_reduce") is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ Two collectives, each timed and counted:
   The buffer keeps its capacity between steps; a message that does not fit makes every
   rank grow it (doubling) and costs a second broadcast in that step only.
 
+A collective's time on one rank includes waiting for the last rank to arrive. Every
+call's entry and exit times are kept (``perf_counter``, one clock for all the processes
+of a host), so that the report can also give the time after the last rank arrived: the
+collective itself, without the imbalance between the ranks.
+
 This module imports torch: only the tensor-parallel path loads it.
 """
 
@@ -76,6 +81,8 @@ class Comm:
             "broadcast_calls": 0, "broadcast_seconds": 0.0, "broadcast_bytes": 0, "broadcast_grows": 0,
             "message_bytes": 0,
         }  # fmt: skip
+        # (entry, exit) times of every call, for the time after the last rank arrived.
+        self.times: dict[str, list[tuple[float, float]]] = {"all_reduce": [], "broadcast": []}
 
     # -- the all-reduce -----------------------------------------------------------------
     def all_reduce(self, partial: Any) -> Any:
@@ -96,8 +103,10 @@ class Comm:
         self.dist.all_reduce(tensor)
         if cuda:
             torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        self.times["all_reduce"].append((t0, t1))
         s = self.stats
-        s["all_reduce_seconds"] += time.perf_counter() - t0
+        s["all_reduce_seconds"] += t1 - t0
         s["all_reduce_calls"] += 1
         s["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
         return partial
@@ -132,7 +141,9 @@ class Comm:
             s["broadcast_grows"] += 1
         out = message if self.rank == 0 else buf[1 : n + 1].copy()
         s["message_bytes"] += 8 * n
-        s["broadcast_seconds"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.times["broadcast"].append((t0, t1))
+        s["broadcast_seconds"] += t1 - t0
         return out
 
     def gather(self, obj: Any) -> Optional[list]:

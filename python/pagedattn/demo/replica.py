@@ -26,6 +26,7 @@ length (block tables by their two dimensions). See :class:`_Writer` / :class:`_R
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Callable, Optional
 
@@ -92,9 +93,11 @@ class _Reader:
 
 
 def rank_stats(comm: Any, checker: Any, steps: int, seconds: float) -> dict:
-    """One rank's figures, gathered on rank 0 at the end of a run."""
+    """One rank's figures, gathered on rank 0 at the end of a run (``call_times``: the
+    (entry, exit) times of every collective, with the host whose clock they read)."""
     return {
         "rank": comm.rank, **comm.stats, "steps": steps, "seconds": seconds,
+        "host": socket.gethostname(), "call_times": getattr(comm, "times", None),
         "checked_decode_outputs": checker.checked["decode"], "checked_prefill_outputs": checker.checked["prefill"],
         "worst_error_over_tolerance": checker.worst, "check_seconds": checker.seconds,
     }  # fmt: skip

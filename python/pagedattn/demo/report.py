@@ -153,8 +153,10 @@ def parallel_summary(e: Engine) -> dict[str, Any]:
     per_rank = []
     for r in ranks:
         comm = r["all_reduce_seconds"] + r["broadcast_seconds"]
+        r = {k: v for k, v in r.items() if k != "call_times"}  # the raw times stay out of the JSON
         per_rank.append({**r, "communication_seconds": comm, "communication_share": comm / max(r["seconds"], 1e-9)})
     r0 = per_rank[0] if per_rank else {}
+    after = {name: after_last_arrival(ranks, name) for name in ("all_reduce", "broadcast")}
     return {
         "ranks": tp.shard.world,
         "launch": tp.launch,
@@ -168,6 +170,12 @@ def parallel_summary(e: Engine) -> dict[str, Any]:
         "all_reduce_seconds": r0.get("all_reduce_seconds", 0.0),
         "broadcast_seconds": r0.get("broadcast_seconds", 0.0),
         "communication_share": (r0.get("communication_seconds", 0.0)) / wall,
+        # Rank 0's collectives counted from the last rank's arrival (None across hosts).
+        "all_reduce_seconds_after_last_arrival": after["all_reduce"],
+        "broadcast_seconds_after_last_arrival": after["broadcast"],
+        "communication_share_after_last_arrival": (
+            (after["all_reduce"] + after["broadcast"]) / wall if None not in after.values() else None
+        ),
         "all_reduces": r0.get("all_reduce_calls", 0),
         "all_reduce_bytes": r0.get("all_reduce_bytes", 0),
         "broadcasts": r0.get("broadcast_calls", 0),
@@ -178,6 +186,20 @@ def parallel_summary(e: Engine) -> dict[str, Any]:
     }
 
 
+def after_last_arrival(ranks: list[dict], name: str) -> Optional[float]:
+    """Seconds rank 0 spent in the collectives ``name`` after the last rank had entered
+    each call (its exit minus the latest entry; never negative), or None when the ranks
+    ran on several hosts (no common clock) or did not record the same calls."""
+    times = [r.get("call_times") for r in ranks]
+    if not times or None in times or len({r.get("host") for r in ranks}) != 1:
+        return None
+    calls = [np.asarray(t[name], dtype=np.float64).reshape(-1, 2) for t in times]
+    if len({len(c) for c in calls}) != 1:
+        return None
+    last_entry = np.max([c[:, 0] for c in calls], axis=0)
+    return float(np.maximum(calls[0][:, 1] - last_entry, 0.0).sum())
+
+
 def _parallel_lines(s: dict[str, Any]) -> list[str]:
     tp = s["tensor_parallel"]
     ranks = "; ".join(
@@ -186,7 +208,7 @@ def _parallel_lines(s: dict[str, Any]) -> list[str]:
         for r in tp["per_rank"]
     )
     grow = f", {tp['broadcast_grows']} of them to grow the buffer" if tp["broadcast_grows"] else ""
-    return [
+    lines = [
         f"tensor parallel: {plural(tp['ranks'], 'rank')} ({tp['launch']}), each {tp['query_heads_per_rank']} query / "
         f"{tp['kv_heads_per_rank']} KV heads; all-reduce over {tp['all_reduce_backend']}, metadata broadcast over "
         f"{tp['metadata_backend']}",
@@ -196,6 +218,15 @@ def _parallel_lines(s: dict[str, Any]) -> list[str]:
         f"{tp['all_reduce_seconds']:.3f} s ({tp['all_reduces']} calls, {_mb(tp['all_reduce_bytes'])}), broadcast "
         f"{tp['broadcast_seconds']:.3f} s ({tp['broadcasts']} calls{grow}; "
         f"{tp['metadata_bytes_per_step'] / 1024:.1f} KB of metadata per step)",
+    ]
+    if tp["communication_share_after_last_arrival"] is not None:
+        lines.append(
+            f"  after last arrival    {tp['communication_share_after_last_arrival']:.1%} of rank 0's step time: "
+            f"all-reduce {tp['all_reduce_seconds_after_last_arrival']:.3f} s, broadcast "
+            f"{tp['broadcast_seconds_after_last_arrival']:.3f} s (the collectives themselves; the rest of the "
+            "time above is waiting for the slowest rank)"
+        )
+    return lines + [
         f"  every rank            {ranks} (a rank's broadcast time includes waiting for rank 0's schedule)",
     ]
 
