@@ -6,6 +6,8 @@ Commands:
                   continuous-batching loop on pagedattn (block manager, reshape_and_cache,
                   paged_attention, copy_blocks, swap_blocks), every attention output
                   checked against float64; prints a report. ``--help`` lists its options.
+                  ``--tensor-parallel N`` serves on N ranks through torch.distributed (N spawned
+                  processes, or under ``torchrun --nproc-per-node N -m pagedattn``).
   bench           the kernel benchmark: pagedattn.bench.kernels on a GPU, else
                   pagedattn.bench.cpu_decode (CPU path against a NumPy baseline);
                   ``--plot FILE.png`` adds GB/s against context length.

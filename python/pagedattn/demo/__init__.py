@@ -9,7 +9,11 @@ random weights, served by a continuous-batching loop on pagedattn's public API.
 - :mod:`.engine`: the scheduler (chunked prefill under a per-step token budget,
   admission, prefix caching, forks, preemption);
 - :mod:`.checker`: every attention output row against dense float64 attention;
-- :mod:`.report`, :mod:`.cli`: the report, the plot, the progress bar, the command line.
+- :mod:`.report`, :mod:`.cli`: the report, the plot, the progress bar, the command line;
+- tensor parallelism (``--tensor-parallel N``): :mod:`.parallel` starts and joins the
+  ranks, :mod:`.replica` carries rank 0's schedule to the others (one broadcast per
+  step), :mod:`.comm` holds the ``torch.distributed`` collectives. Only this path
+  imports torch.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ class NumpyBackend(Backend):
     def describe(self) -> str:
         import pagedattn
 
-        return f"cpu (NumPy {np.__version__}, {pagedattn._core.num_threads()} pagedattn threads)"
+        n = pagedattn._core.num_threads()
+        return f"cpu (NumPy {np.__version__}, {n} pagedattn thread{'' if n == 1 else 's'})"
 
     def dtype(self, name: str) -> Any:
         if name == "bfloat16":

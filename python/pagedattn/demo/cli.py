@@ -9,7 +9,7 @@ import math
 import os
 import re
 import sys
-from typing import Optional
+from typing import Optional, TextIO
 
 import pagedattn
 
@@ -22,15 +22,16 @@ from .engine import (
     Engine,
     ServeConfig,
     check_token_budget,
-    itemsize_of,
+    kv_bytes_per_token,
 )
-from .model import ModelConfig
+from .model import ModelConfig, check_tensor_parallel
 from .report import Progress, format_report, plot_unavailable_reason, plural, summarize, write_plot
 from .workload import WorkloadConfig
 
 __all__ = [
     "ArgumentParser", "add_serve_arguments", "serve", "parse_memory", "build_config", "int_in", "float_in",
     "output_file", "MAX_POOL_MB", "MAX_BLOCKS", "MAX_REQUESTS", "MAX_SEED", "MAX_NUM_BATCHED_TOKENS",
+    "MAX_TENSOR_PARALLEL", "serve_one",
 ]  # fmt: skip
 
 DEFAULT_MEMORY = "6MB"
@@ -42,6 +43,7 @@ MAX_RATE = 1e6
 MAX_BATCH = 65_536
 MAX_BLAS_THREADS = 1024
 MAX_SEED = 2**63 - 1
+MAX_TENSOR_PARALLEL = 1024
 MAX_BLOCK_SIZE = int(pagedattn.supported()["cpu_max_block_size"])
 
 
@@ -176,7 +178,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--memory",
         type=memory_size,
         default=DEFAULT_MEMORY,
-        help=f"device KV pool: MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); default {DEFAULT_MEMORY}; "
+        help=f"device KV pool (per rank with --tensor-parallel): MB (e.g. 4, 4MB) or blocks (e.g. 300blocks); "
+        f"default {DEFAULT_MEMORY}; "
         f"at most {MAX_POOL_MB} MB and {MAX_BLOCKS} blocks",
     )
     g.add_argument(
@@ -240,6 +243,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="write the report (and the memory timeline) as JSON; its folder must exist",
     )
     g.add_argument("--quiet", action="store_true", help="no header and no progress bar: only the report")
+    t = p.add_argument_group("tensor parallelism (needs PyTorch: torch.distributed)")
+    t.add_argument(
+        "--tensor-parallel",
+        type=int_in(1, MAX_TENSOR_PARALLEL),
+        default=None,
+        metavar="N",
+        help="serve on N ranks, each holding 1/N of the query heads, its share of the KV heads (replicated when "
+        "N exceeds them) and its own KV caches; one all-reduce per layer (NCCL on CUDA, gloo on the CPU), one "
+        "metadata broadcast per step from rank 0, which schedules. N must divide the query heads. --memory in MB "
+        "is per rank. Also under torchrun: torchrun --nproc-per-node N -m pagedattn --tensor-parallel N",
+    )
+    t.add_argument(
+        "--tp-launch",
+        choices=["auto", "spawn", "torchrun"],
+        default="auto",
+        help="auto: torchrun's processes when started by torchrun (RANK / WORLD_SIZE set), else spawn N local "
+        "processes",
+    )
 
 
 def _resolve_device(device: str, gpu_lib: str) -> str:
@@ -251,14 +272,17 @@ def _resolve_device(device: str, gpu_lib: str) -> str:
 
 
 def block_bytes_of(cfg: ServeConfig) -> int:
-    """Bytes of one KV block (all layers, keys and values)."""
-    return cfg.model.kv_bytes_per_token(itemsize_of(cfg.dtype)) * cfg.block_size
+    """Bytes of one KV block on one rank (all layers, keys and values)."""
+    return kv_bytes_per_token(cfg) * cfg.block_size
 
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
     dtype = "float16" if args.dtype == "auto" else args.dtype
     model = ModelConfig()
-    block_bytes = model.kv_bytes_per_token(itemsize_of(dtype)) * args.block_size
+    world = getattr(args, "tensor_parallel", None) or 1
+    check_tensor_parallel(model, world)
+    probe = ServeConfig(dtype=dtype, block_size=args.block_size, tensor_parallel=world, model=model)
+    block_bytes = block_bytes_of(probe)
     try:
         num_blocks = parse_memory(args.memory, block_bytes)
     except argparse.ArgumentTypeError as e:
@@ -273,7 +297,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks, num_cpu_blocks=cpu,
         max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching, preempt=args.preempt,
-        check_sample=args.check, seed=args.seed, model=model,
+        check_sample=args.check, seed=args.seed, model=model, tensor_parallel=world,
         workload=dataclasses.replace(WorkloadConfig(), num_requests=args.requests, rate=args.rate),
     )  # fmt: skip
     check_token_budget(cfg)  # against --max-batch, before anything is built
@@ -283,34 +307,57 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 def serve(args: argparse.Namespace, out=None, err=None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    if getattr(args, "tensor_parallel", None) is not None:
+        from .parallel import serve_parallel  # the only path that imports torch
+
+        return serve_parallel(args, out, err)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if "RANK" in os.environ and world.strip() not in ("", "0", "1"):  # started by torchrun (or alike)
+        print(
+            f"error: started by torchrun with WORLD_SIZE={world}: pass --tensor-parallel {world} "
+            "(each process would otherwise serve the whole workload on its own)",
+            file=err,
+        )
+        return 2
+    return serve_one(args, out, err)
+
+
+def serve_one(args: argparse.Namespace, out: TextIO, err: TextIO, *, backend=None, tp=None) -> int:
+    """Serves and reports in this process: the whole model, or rank 0 of a tensor-parallel
+    run (``tp``, its :class:`~pagedattn.demo.replica.Leader`, with the rank's ``backend``)."""
     try:
         cfg = build_config(args)
-        device = _resolve_device(args.device, args.gpu_lib)
+        device = _resolve_device(args.device, args.gpu_lib) if backend is None else backend.device
         cuda_sizes = pagedattn.supported()["cuda_block_sizes"]
         if device == "cuda" and cfg.block_size not in cuda_sizes:
             raise ConfigError(
                 f"argument --block-size: the CUDA kernels take one of {', '.join(map(str, cuda_sizes))}, "
                 f"got {cfg.block_size}"
             )
-        backend = make_backend(device, args.gpu_lib)
+        if backend is None:
+            backend = make_backend(device, args.gpu_lib)
         if args.blas_threads > 0:
             limit_blas_threads(args.blas_threads)
         plot_problem = plot_unavailable_reason() if args.plot else None
         if plot_problem:  # refused before the run, not found missing after it
             raise ConfigError(plot_problem)
         progress = None if args.quiet else Progress(args.requests, err)
-        engine = Engine(cfg, backend, progress=progress)
+        engine = Engine(cfg, backend, progress=progress, tp=tp)
     except (ConfigError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=err)
+        if tp is not None:
+            tp.abort()
         return 2
     except MemoryError:
         pool_mb = (cfg.num_blocks + cfg.num_cpu_blocks) * block_bytes_of(cfg) / 2**20
         print(f"error: cannot allocate the KV pools ({pool_mb:.0f} MB): lower --memory or --cpu-memory", file=err)
+        if tp is not None:
+            tp.abort()
         return 2
     if not args.quiet:
         mc = cfg.model
         lib = {"numpy": "NumPy", "cupy": "CuPy", "torch": "PyTorch"}[backend.name]
-        pool_mb = cfg.num_blocks * cfg.block_size * mc.kv_bytes_per_token(itemsize_of(cfg.dtype)) / 2**20
+        pool_mb = cfg.num_blocks * block_bytes_of(cfg) / 2**20
         lines = [
             f"pagedattn {pagedattn.__version__} serving demo on {backend.describe()}, {cfg.dtype}",
             f"  model     {mc.describe()}",
@@ -321,11 +368,18 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
         ]
         work = cfg.workload.describe()
         lines += [f"  workload  {work[0]}"] + [f"            {w}" for w in work[1:]]
+        per_rank = " per rank" if tp is not None else ""
         lines.append(
-            f"  KV pool   {plural(cfg.num_blocks, 'block')} x {plural(cfg.block_size, 'token')} ({pool_mb:.1f} MB) "
-            f"on the device, {plural(cfg.num_cpu_blocks, 'block')} on the host for swapping; prefix caching "
-            f"{'on' if cfg.prefix_caching else 'off'}; preemption: {cfg.preempt}"
+            f"  KV pool   {plural(cfg.num_blocks, 'block')} x {plural(cfg.block_size, 'token')} ({pool_mb:.1f} MB"
+            f"{per_rank}) on the device, {plural(cfg.num_cpu_blocks, 'block')} on the host for swapping; prefix "
+            f"caching {'on' if cfg.prefix_caching else 'off'}; preemption: {cfg.preempt}"
         )
+        if tp is not None:
+            lines.append(
+                f"  parallel  tensor parallel over {plural(tp.shard.world, 'rank')} ({tp.launch}; torch.distributed: "
+                f"all-reduce over {tp.comm.backend}, metadata broadcast over gloo): rank 0 holds "
+                f"{tp.shard.describe(mc)}; every rank its own KV caches; rank 0 schedules"
+            )
         print("\n".join(lines), file=out)
         out.flush()
     try:
@@ -333,13 +387,20 @@ def serve(args: argparse.Namespace, out=None, err=None) -> int:
     except AttentionMismatch as e:
         if progress is not None:
             progress.close(engine)
-        print(f"\nerror: CHECK FAILED at step {engine.step_no}: {e}", file=err)
+        where = " on rank 0" if tp is not None else ""
+        print(f"\nerror: CHECK FAILED{where} at step {engine.step_no}: {e}", file=err)
         return 1
     except ConfigError as e:
         if progress is not None:
             progress.close(engine)
         print(f"\nerror: {e}", file=err)
         return 2
+    except RuntimeError as e:
+        if tp is None:
+            raise
+        # A collective failed: another rank is gone (it reported why).
+        print(f"\nerror: rank 0 at step {engine.step_no}: {type(e).__name__}: {e}", file=err)
+        return 1
     if progress is not None:
         progress.close(engine)
     summary = summarize(engine)

@@ -35,6 +35,12 @@ in chunks, the full blocks it had computed found in the prefix cache). Nothing i
 admitted or swapped in during an iteration that preempted (no thrashing).
 Every attention output row is checked by :class:`~pagedattn.demo.checker.Checker`.
 :attr:`Engine.step_log` records each step's mix of decode and prefill-chunk tokens.
+
+Tensor parallelism (``tp``, a :class:`~pagedattn.demo.replica.Leader`): the engine runs
+on rank 0 only, with the model, KV caches and checker of rank 0's heads. Everything
+above (the block manager, the schedule, sampling) stays here; the leader records what
+the other ranks must repeat (cache copies and swaps, the checker's bookkeeping) and
+sends it with each step's metadata in one broadcast just before the forward pass.
 """
 
 from __future__ import annotations
@@ -51,12 +57,12 @@ import pagedattn
 from .backend import Backend
 from .checker import Checker
 from .kvcache import PagedKVCache
-from .model import ModelConfig, StepInputs, TinyDecoder
+from .model import ModelConfig, Shard, StepInputs, TinyDecoder, kv_heads_per_rank
 from .workload import Request, WorkloadConfig, make_workload
 
 __all__ = [
     "ServeConfig", "Engine", "SeqState", "StepRecord", "ConfigError", "check_token_budget", "itemsize_of",
-    "DEFAULT_NUM_BATCHED_TOKENS", "MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_NUM_BATCHED_TOKENS", "MAX_NUM_BATCHED_TOKENS", "kv_bytes_per_token", "make_rank_state",
 ]  # fmt: skip
 
 # The default per-step token budget. 512 bounds the work of a step, and so the delay a
@@ -107,8 +113,34 @@ class ServeConfig:
     preempt: str = "auto"  # auto: swap while the host pool has room, else recompute; or "swap" / "recompute"
     check_sample: float = 1.0  # share of sequences whose outputs are checked at each step
     seed: int = 0
+    tensor_parallel: int = 1  # ranks sharing the heads (each holds num_blocks blocks of its own heads)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     workload: WorkloadConfig = dataclasses.field(default_factory=WorkloadConfig)
+
+
+def kv_bytes_per_token(cfg: ServeConfig) -> int:
+    """KV cache bytes of one token on one rank (all layers, keys and values, the rank's KV heads)."""
+    mc = cfg.model
+    return 2 * mc.num_layers * kv_heads_per_rank(mc, cfg.tensor_parallel) * mc.head_size * itemsize_of(cfg.dtype)
+
+
+def make_rank_state(
+    cfg: ServeConfig, backend: Backend, shard: Optional[Shard] = None, comm=None
+) -> tuple[TinyDecoder, PagedKVCache, Checker]:
+    """The model, KV caches and checker of one rank (all heads when ``shard`` is None):
+    built the same way on every rank of a tensor-parallel run."""
+    mc = cfg.model
+    model = TinyDecoder(mc, backend, cfg.dtype, cfg.seed, shard=shard, comm=comm)
+    kv = PagedKVCache(
+        backend, num_layers=mc.num_layers, num_blocks=cfg.num_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
+        block_size=cfg.block_size, num_kv_heads=model.num_kv_heads, head_size=mc.head_size, dtype=cfg.dtype,
+    )  # fmt: skip
+    checker = Checker(
+        backend, num_layers=mc.num_layers, num_kv_heads=model.num_kv_heads, head_size=mc.head_size,
+        block_size=cfg.block_size, scale=model.scale, dtype=cfg.dtype, sample=cfg.check_sample, seed=cfg.seed,
+        prefix_caching=cfg.prefix_caching,
+    )  # fmt: skip
+    return model, kv, checker
 
 
 def check_token_budget(cfg: ServeConfig) -> None:
@@ -148,11 +180,21 @@ class Engine:
         *,
         progress: Optional[Callable[[Engine], None]] = None,
         requests: Optional[list[Request]] = None,
+        tp=None,
     ) -> None:
+        """``tp``: the :class:`~pagedattn.demo.replica.Leader` of a tensor-parallel run (this
+        engine is rank 0), or None for one process holding every head."""
         self.cfg = cfg
         self.be = backend
+        self.tp = tp
         mc, bs = cfg.model, cfg.block_size
         check_token_budget(cfg)
+        world = tp.shard.world if tp is not None else 1
+        if cfg.tensor_parallel != world:
+            raise ConfigError(
+                f"tensor_parallel = {cfg.tensor_parallel} but the engine runs on {world} rank(s): "
+                "a tensor-parallel engine needs the Leader of its process group (pagedattn.demo.replica)"
+            )
         longest = cfg.workload.max_tokens()
         if longest > mc.max_len:
             raise ConfigError(f"the workload's longest sequence ({longest} tokens) exceeds max_len {mc.max_len}")
@@ -174,16 +216,11 @@ class Engine:
             cfg.num_blocks, bs, enable_prefix_caching=cfg.prefix_caching,
             num_cpu_blocks=cfg.num_cpu_blocks if cfg.preempt != "recompute" else 0, watermark=cfg.watermark,
         )  # fmt: skip
-        self.model = TinyDecoder(mc, backend, cfg.dtype, cfg.seed)
-        self.kv = PagedKVCache(
-            backend, num_layers=mc.num_layers, num_blocks=cfg.num_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
-            block_size=bs, num_kv_heads=mc.num_kv_heads, head_size=mc.head_size, dtype=cfg.dtype,
-        )  # fmt: skip
-        self.checker = Checker(
-            backend, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_size=mc.head_size,
-            block_size=bs, scale=self.model.scale, dtype=cfg.dtype, sample=cfg.check_sample, seed=cfg.seed,
-            prefix_caching=cfg.prefix_caching,
-        )  # fmt: skip
+        self.model, self.kv, self.checker = make_rank_state(
+            cfg, backend, tp.shard if tp is not None else None, tp.comm if tp is not None else None
+        )
+        if tp is not None:  # what the other ranks must repeat is recorded for the next broadcast
+            self.kv, self.checker = tp.record_kv(self.kv), tp.record_checker(self.checker)
         self.requests = requests if requests is not None else make_workload(cfg.workload, mc.vocab, cfg.seed)
         self.sample_rng = np.random.default_rng([cfg.seed, 3])
         self.progress = progress
@@ -380,6 +417,8 @@ class Engine:
         qsl = md.query_start_loc
         rows = np.concatenate([qsl[:nd], qsl[np.asarray(final_idx, np.int64) + 1] - 1]).astype(np.int64)
         step = StepInputs(md.block_tables, md.seq_lens, qsl, md.slot_mapping, int(md.max_query_len))
+        if self.tp is not None:  # the other ranks get this step (and what led to it) in one broadcast
+            self.tp.publish_step(self.step_no, ids, qlens, nd, tokens, positions, step)
         self.checker.begin_step(ids.tolist(), qlens.tolist(), [i < nd for i in range(len(sched))])
         logits = self.model.forward(self.kv, tokens, positions, step, rows, self.checker.observe)
         self.checker.end_step()
@@ -461,6 +500,17 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> Engine:
+        try:
+            self._run()
+        except ConfigError:  # raised between steps: the other ranks are told to stop
+            if self.tp is not None:
+                self.tp.abort()
+            raise
+        if self.tp is not None:
+            self.tp.finish()
+        return self
+
+    def _run(self) -> None:
         reqs = self.requests
         limit = 50 * (sum(r.output_len * r.n + len(r.prompt) for r in reqs) + len(reqs)) + 1000
         t0 = time.perf_counter()
@@ -488,4 +538,3 @@ class Engine:
                 raise RuntimeError(f"the scheduler made no progress in {limit} iterations")
         self.be.synchronize()
         self.wall = time.perf_counter() - t0
-        return self

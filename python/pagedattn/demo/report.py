@@ -16,6 +16,11 @@ iteration (:meth:`Engine._sample_memory`):
   do): logical tokens / (sequences x max_len).
 - **largest batch**: paged, the most sequences this run decoded at once; contiguous,
   how many ``max_len`` reservations fit in the same pool.
+
+Tensor-parallel runs (:func:`parallel_summary`) add the step time (wall time / engine
+steps on rank 0), every rank's time in the all-reduce and in the metadata broadcast and
+their share of the step time, bytes moved, and every rank's checks (each checks its own
+heads of the same rows). KV figures are per rank (its heads).
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from typing import Any, Optional, TextIO
 
 import numpy as np
 
-from .engine import Engine, itemsize_of
+from .engine import Engine, kv_bytes_per_token
 
-__all__ = ["summarize", "format_report", "write_plot", "Progress", "plot_unavailable_reason"]
+__all__ = ["summarize", "format_report", "write_plot", "Progress", "plot_unavailable_reason", "parallel_summary"]
 
 
 def step_mix(e: Engine) -> dict[str, Any]:
@@ -67,12 +72,14 @@ def summarize(e: Engine) -> dict[str, Any]:
     tl = np.asarray(e.timeline, dtype=np.int64).reshape(-1, 5)
     steps, used, held, logical, seqs = (tl[:, i] for i in range(5))
     bs = cfg.block_size
-    token_bytes = mc.kv_bytes_per_token(itemsize_of(cfg.dtype))
+    token_bytes = kv_bytes_per_token(cfg)
     pool_tokens = cfg.num_blocks * bs
     slots = int((used * bs).sum())
     reserved = int((seqs * mc.max_len).sum())
     stats = e.manager.prefix_cache_stats
     ck = e.checker
+    tp = parallel_summary(e) if e.tp is not None else None
+    worst = max([ck.worst] + [r["worst_error_over_tolerance"] for r in tp["per_rank"]]) if tp else ck.worst
     return {
         "device": e.be.describe(),
         "dtype": cfg.dtype,
@@ -117,8 +124,10 @@ def summarize(e: Engine) -> dict[str, Any]:
         "checked_decode_outputs": ck.checked["decode"],
         "checked_prefill_outputs": ck.checked["prefill"],
         "check_sample": cfg.check_sample,
-        "worst_error_over_tolerance": ck.worst,
+        "worst_error_over_tolerance": worst,
         "tolerance": {"atol": ck.atol, "rtol": ck.rtol},
+        "step_seconds": e.wall / len(e.step_log) if e.step_log else 0.0,
+        "tensor_parallel": tp,
         "timeline": {
             "step": steps.tolist(),
             "used_blocks": used.tolist(),
@@ -133,6 +142,93 @@ def summarize(e: Engine) -> dict[str, Any]:
             "chunks": [r.chunks for r in e.step_log],
         },
     }
+
+
+def parallel_summary(e: Engine) -> dict[str, Any]:
+    """The tensor-parallel figures of a run whose engine is rank 0 (``e.tp`` finished)."""
+    tp = e.tp
+    ranks = tp.ranks or []
+    steps = len(e.step_log)
+    wall = e.wall if e.wall > 0 else 1e-9
+    per_rank = []
+    for r in ranks:
+        comm = r["all_reduce_seconds"] + r["broadcast_seconds"]
+        r = {k: v for k, v in r.items() if k != "call_times"}  # the raw times stay out of the JSON
+        per_rank.append({**r, "communication_seconds": comm, "communication_share": comm / max(r["seconds"], 1e-9)})
+    r0 = per_rank[0] if per_rank else {}
+    after = {name: after_last_arrival(ranks, name) for name in ("all_reduce", "broadcast")}
+    return {
+        "ranks": tp.shard.world,
+        "launch": tp.launch,
+        "all_reduce_backend": tp.comm.backend,
+        "metadata_backend": "gloo",
+        "query_heads_per_rank": tp.shard.num_heads,
+        "kv_heads_per_rank": tp.shard.num_kv_heads,
+        "steps": steps,
+        "step_seconds": e.wall / steps if steps else 0.0,
+        "tokens_per_second": e.generated / wall,
+        "all_reduce_seconds": r0.get("all_reduce_seconds", 0.0),
+        "broadcast_seconds": r0.get("broadcast_seconds", 0.0),
+        "communication_share": (r0.get("communication_seconds", 0.0)) / wall,
+        # Rank 0's collectives counted from the last rank's arrival (None across hosts).
+        "all_reduce_seconds_after_last_arrival": after["all_reduce"],
+        "broadcast_seconds_after_last_arrival": after["broadcast"],
+        "communication_share_after_last_arrival": (
+            (after["all_reduce"] + after["broadcast"]) / wall if None not in after.values() else None
+        ),
+        "all_reduces": r0.get("all_reduce_calls", 0),
+        "all_reduce_bytes": r0.get("all_reduce_bytes", 0),
+        "broadcasts": r0.get("broadcast_calls", 0),
+        "broadcast_grows": r0.get("broadcast_grows", 0),
+        "broadcast_bytes": r0.get("broadcast_bytes", 0),
+        "metadata_bytes_per_step": r0.get("message_bytes", 0) / max(steps, 1),
+        "per_rank": per_rank,
+    }
+
+
+def after_last_arrival(ranks: list[dict], name: str) -> Optional[float]:
+    """Seconds rank 0 spent in the collectives ``name`` after the last rank had entered
+    each call (its exit minus the latest entry; never negative), or None when the ranks
+    ran on several hosts (no common clock) or did not record the same calls."""
+    times = [r.get("call_times") for r in ranks]
+    if not times or None in times or len({r.get("host") for r in ranks}) != 1:
+        return None
+    calls = [np.asarray(t[name], dtype=np.float64).reshape(-1, 2) for t in times]
+    if len({len(c) for c in calls}) != 1:
+        return None
+    last_entry = np.max([c[:, 0] for c in calls], axis=0)
+    return float(np.maximum(calls[0][:, 1] - last_entry, 0.0).sum())
+
+
+def _parallel_lines(s: dict[str, Any]) -> list[str]:
+    tp = s["tensor_parallel"]
+    ranks = "; ".join(
+        f"rank {r['rank']}: {r['all_reduce_seconds'] / max(r['seconds'], 1e-9):.1%} all-reduce + "
+        f"{r['broadcast_seconds'] / max(r['seconds'], 1e-9):.1%} broadcast"
+        for r in tp["per_rank"]
+    )
+    grow = f", {tp['broadcast_grows']} of them to grow the buffer" if tp["broadcast_grows"] else ""
+    lines = [
+        f"tensor parallel: {plural(tp['ranks'], 'rank')} ({tp['launch']}), each {tp['query_heads_per_rank']} query / "
+        f"{tp['kv_heads_per_rank']} KV heads; all-reduce over {tp['all_reduce_backend']}, metadata broadcast over "
+        f"{tp['metadata_backend']}",
+        f"  step time             {tp['step_seconds'] * 1e3:.2f} ms mean over {plural(tp['steps'], 'step')} "
+        f"({tp['tokens_per_second']:.0f} tokens/s)",
+        f"  communication         {tp['communication_share']:.1%} of rank 0's step time: all-reduce "
+        f"{tp['all_reduce_seconds']:.3f} s ({tp['all_reduces']} calls, {_mb(tp['all_reduce_bytes'])}), broadcast "
+        f"{tp['broadcast_seconds']:.3f} s ({tp['broadcasts']} calls{grow}; "
+        f"{tp['metadata_bytes_per_step'] / 1024:.1f} KB of metadata per step)",
+    ]
+    if tp["communication_share_after_last_arrival"] is not None:
+        lines.append(
+            f"  after last arrival    {tp['communication_share_after_last_arrival']:.1%} of rank 0's step time: "
+            f"all-reduce {tp['all_reduce_seconds_after_last_arrival']:.3f} s, broadcast "
+            f"{tp['broadcast_seconds_after_last_arrival']:.3f} s (the collectives themselves; the rest of the "
+            "time above is waiting for the slowest rank)"
+        )
+    return lines + [
+        f"  every rank            {ranks} (a rank's broadcast time includes waiting for rank 0's schedule)",
+    ]
 
 
 def plural(count: int, noun: str) -> str:
@@ -192,11 +288,14 @@ def format_report(s: dict[str, Any]) -> str:
         f"  contiguous            {s['contiguous_utilisation']:.1%} of reserved slots would hold tokens "
         f"(reserving {s['max_len']} per sequence); largest batch {plural(s['contiguous_max_batch'], 'sequence')}",
         f"checked {checked} attention output rows{sample} ({s['checked_decode_outputs']} decode, "
-        f"{s['checked_prefill_outputs']} prefill-chunk; every layer) against dense float64 attention: "
-        "all within tolerance "
+        f"{s['checked_prefill_outputs']} prefill-chunk; every layer"
+        + (f"; on each of the {s['tensor_parallel']['ranks']} ranks, its own heads" if s.get("tensor_parallel") else "")
+        + ") against dense float64 attention: all within tolerance "
         f"(worst {s['worst_error_over_tolerance']:.2f} of atol {s['tolerance']['atol']:g} + "
         f"rtol {s['tolerance']['rtol']:g})",
     ]
+    if s.get("tensor_parallel"):
+        lines += _parallel_lines(s)
     return "\n".join(lines)
 
 
