@@ -83,7 +83,7 @@ std::string dtype_text(nb::handle obj) {
   const std::string dt = dtype_text(obj);
   fail<TypeMismatch>(name, ": expected an array (NumPy, PyTorch, CuPy, JAX or any object with __dlpack__), got ",
                      arg_type_name(obj), dt.empty() ? "" : detail::concat(" of dtype ", dt),
-                     is_jax(obj) ? " (a traced value: under jax.jit use pagedattn.jax)" : "");
+                     is_jax(obj) ? " (inside jax.jit and other JAX transformations use pagedattn.jax)" : "");
 }
 
 // obj.__dlpack__(), called here rather than by nanobind so that a capsule the producer
@@ -102,6 +102,9 @@ nb::object dlpack_capsule(nb::handle obj, const char* name, bool* read_only) {
       cap = method();
     }
   } catch (const nb::python_error& e) {
+    if (is_jax(obj))  // a tracer: inside jax.jit, lax.scan, vmap, ... there is no array to hand over
+      fail<TypeMismatch>(name, ": got a traced JAX value (", arg_type_name(obj), "), which has no memory to hand "
+                         "over: inside jax.jit and other JAX transformations use pagedattn.jax");
     fail<TypeMismatch>(name, ": its __dlpack__() raised ", nb::cast<std::string>(nb::str(e.value())));
   }
   if (!PyCapsule_CheckExact(cap.ptr()))
