@@ -23,7 +23,8 @@ ImportError saying so.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -118,7 +119,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> Tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """Writes key / value [T, K, D] into their cache slots; returns the updated caches.
 
     Arguments and options as :func:`pagedattn.reshape_and_cache`. The results alias

@@ -14,12 +14,15 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import BF16, assert_close, make_problem
 
 import pagedattn
+from conftest import BF16, assert_close, make_problem
 from pagedattn import _core
 from pagedattn.reference import paged_attention_ref, reshape_and_cache_ref
 
+# JAX must not take most of the GPU's memory for itself when it starts here: the CUDA tests
+# of other frameworks share the device (no effect where JAX already started).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
@@ -221,23 +224,27 @@ DECODE_CASES = [("vllm", np.float32), ("nhd", np.float16)] + ([("vllm", BF16)] i
 @pytest.mark.parametrize("donate", [False, True], ids=["copy", "donate"])
 def test_jitted_decode_step_matches_eager_and_reference(pj, device, rng, layout, dtype, donate):
     p, k_new, v_new, slots, seq_lens = _decode_inputs(rng, layout, dtype)
-    # The eager API on NumPy copies: the numbers the jitted step must reproduce exactly.
-    kc_e, vc_e = p.key_cache.copy(), p.value_cache.copy()
-    pagedattn.reshape_and_cache(k_new, v_new, kc_e, vc_e, slots)
-    out_e = pagedattn.paged_attention(p.query, kc_e, vc_e, p.block_tables, seq_lens)
-    # The float64 reference.
+    # The float64 reference (the cache writes are exact copies).
     kc_r, vc_r = p.key_cache.copy(), p.value_cache.copy()
     reshape_and_cache_ref(k_new, v_new, kc_r, vc_r, slots)
     ref = paged_attention_ref(p.query, kc_r, vc_r, p.block_tables, seq_lens)
-
     args = _put(device, p.query, k_new, v_new, p.key_cache, p.value_cache, slots, p.block_tables, seq_lens)
+    # The eager call on the same device, whose numbers the jitted step must reproduce
+    # exactly: the NumPy API on the CPU; on the GPU (no JAX array can be written there)
+    # the same functions outside jit.
+    if device.platform == "cpu":
+        kc_e, vc_e = p.key_cache.copy(), p.value_cache.copy()
+        pagedattn.reshape_and_cache(k_new, v_new, kc_e, vc_e, slots)
+        out_e = pagedattn.paged_attention(p.query, kc_e, vc_e, p.block_tables, seq_lens)
+    else:
+        out_e = _np(_decode_step(pj, *args)[0])
     kc_ptr, vc_ptr = args[3].unsafe_buffer_pointer(), args[4].unsafe_buffer_pointer()
     step = jax.jit(lambda *a: _decode_step(pj, *a), donate_argnums=(3, 4) if donate else ())
     out, kc, vc = step(*args)
     assert out.dtype == args[0].dtype and out.shape == p.query.shape
     _same_bits(out, out_e, "out")
-    _same_bits(kc, kc_e, "key_cache")
-    _same_bits(vc, vc_e, "value_cache")
+    _same_bits(kc, kc_r, "key_cache")
+    _same_bits(vc, vc_r, "value_cache")
     assert_close(_np(out), ref, dtype)
     if donate:
         # The caches were written where they lay: no copy.
@@ -318,13 +325,16 @@ def test_varlen_query_under_jit(pj, device, rng):
     ref = paged_attention_ref(query, p.key_cache, p.value_cache, p.block_tables, seq_lens, query_start_loc=qsl)
     args = _put(device, query, p.key_cache, p.value_cache, p.block_tables, seq_lens, qsl)
 
-    @jax.jit
     def attend(q, kc, vc, bt, sl, qsl):
         return pj.paged_attention(q, kc, vc, bt, sl, query_start_loc=qsl, max_query_len=int(q_lens.max()))
 
-    out = attend(*args)
+    out = jax.jit(attend)(*args)
     assert_close(_np(out), ref, np.float32)
-    eager = pagedattn.paged_attention(query, p.key_cache, p.value_cache, p.block_tables, seq_lens, query_start_loc=qsl)
+    if device.platform == "cpu":
+        eager = pagedattn.paged_attention(query, p.key_cache, p.value_cache, p.block_tables, seq_lens,
+                                          query_start_loc=qsl)  # fmt: skip
+    else:
+        eager = _np(attend(*args))  # outside jit, on the same device
     _same_bits(out, eager, "out")
 
 
@@ -353,20 +363,25 @@ def test_fp8_caches_typed_or_uint8(pj, device, rng):
     slots = np.concatenate([bt[0, 0] * 16 + np.arange(6), (bt[1, :2, None] * 16 + np.arange(16)).ravel()[:19]])
     slots = slots.astype(np.int32)
     opts = dict(kv_cache_dtype=kind, k_scale=0.5, v_scale=0.25)
-    kc_e, vc_e = kc0.copy(), vc0.copy()
-    pagedattn.reshape_and_cache(key, value, kc_e, vc_e, slots, **opts)
-    out_e = pagedattn.paged_attention(p.query, kc_e, vc_e, p.block_tables, p.seq_lens, **opts)
+
+    def step(k, v, kc, vc, sl, q, bt, lens):
+        kc, vc = pj.reshape_and_cache(k, v, kc, vc, sl, **opts)
+        return pj.paged_attention(q, kc, vc, bt, lens, **opts), kc, vc
+
+    rest = _put(device, p.query, p.block_tables, p.seq_lens)
+    # The eager call on the same device: the NumPy API on the CPU, else outside jit.
+    if device.platform == "cpu":
+        kc_e, vc_e = kc0.copy(), vc0.copy()
+        pagedattn.reshape_and_cache(key, value, kc_e, vc_e, slots, **opts)
+        out_e = pagedattn.paged_attention(p.query, kc_e, vc_e, p.block_tables, p.seq_lens, **opts)
+    else:
+        out_e, kc_e, vc_e = (_np(a) for a in step(*_put(device, key, value, kc0, vc0, slots), *rest))
+    ref = paged_attention_ref(p.query, kc_e, vc_e, p.block_tables, p.seq_lens, **opts)
+    assert_close(out_e, ref, np.float16, "eager vs reference over the written fp8 caches")
 
     for storage in (jnp.uint8, jnp.float8_e4m3fn):
         k, v, kc, vc, sl = _put(device, key, value, kc0, vc0, slots)
-        kc, vc = kc.view(storage), vc.view(storage)
-
-        @jax.jit
-        def step(k, v, kc, vc, sl, q, bt, lens):
-            kc, vc = pj.reshape_and_cache(k, v, kc, vc, sl, **opts)
-            return pj.paged_attention(q, kc, vc, bt, lens, **opts), kc, vc
-
-        out, kc, vc = step(k, v, kc, vc, sl, *_put(device, p.query, p.block_tables, p.seq_lens))
+        out, kc, vc = jax.jit(step)(k, v, kc.view(storage), vc.view(storage), sl, *rest)
         _same_bits(kc.view(jnp.uint8), kc_e, f"key_cache ({storage.__name__})")
         _same_bits(vc.view(jnp.uint8), vc_e, f"value_cache ({storage.__name__})")
         _same_bits(out, out_e, f"out ({storage.__name__})")
