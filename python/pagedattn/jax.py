@@ -54,7 +54,9 @@ def _register(targets: Mapping[str, Mapping[str, Any]]) -> None:
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
-_register(_core._jax_ffi_targets())
+# {platform: {target name: capsule}}, empty without the handlers (a private function of the
+# module, absent from its public stubs).
+_register(_core._jax_ffi_targets())  # type: ignore[attr-defined]
 
 
 def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:

@@ -117,25 +117,24 @@ void check_fp8_cache(const ffi::AnyBuffer& cache, const char* name, KVCacheDType
 // attribute no entry knows is an error (a misspelt option never passes silently).
 class Attrs {
  public:
-  Attrs(const ffi::Dictionary& d, const char* call) : d_(d), call_(call) {}
+  explicit Attrs(const ffi::Dictionary& d) : d_(d) {}
 
   template <class T>
   T get(std::string_view name) const {
     ffi::ErrorOr<T> v = d_.get<T>(name);
     if (!v.has_value())
-      fail<TypeMismatch>(call_, ": attribute '", name, "' has the wrong type (", v.error().message(), ")");
+      fail<TypeMismatch>("attribute '", name, "' has the wrong type (", v.error().message(), ")");
     return *v;
   }
   std::string str(std::string_view name) const { return std::string(get<std::string_view>(name)); }
   template <class F>
   void each(F&& read) const {
     for (auto it = d_.begin(); it != d_.end(); ++it)
-      if (!read(*it)) fail<InvalidArgument>(call_, ": unknown attribute '", *it, "'");
+      if (!read(*it)) fail<InvalidArgument>("unknown attribute '", *it, "'");
   }
 
  private:
   const ffi::Dictionary& d_;
-  const char* call_;
 };
 
 int int_attr(const Attrs& a, std::string_view name) {
@@ -192,7 +191,7 @@ ffi::Error paged_attention_impl(const Place& at, ffi::AnyBuffer query, ffi::AnyB
                                 const ffi::Dictionary& attrs) {
   constexpr const char* kCall = "paged_attention";
   try {
-    const Attrs a(attrs, kCall);
+    const Attrs a(attrs);
     AttentionOptions o;
     a.each([&](std::string_view name) { return read_option(a, name, o); });
     o.stream = at.stream;
@@ -207,14 +206,14 @@ ffi::Error paged_attention_impl(const Place& at, ffi::AnyBuffer query, ffi::AnyB
       start = end + 1;
       ffi::ErrorOr<ffi::AnyBuffer> buf = optional.get<ffi::AnyBuffer>(index++);
       if (!buf.has_value())
-        fail<InvalidArgument>(kCall, ": the attribute operands names '", name, "' but the call has only ",
+        fail<InvalidArgument>("the attribute operands names '", name, "' but the call has only ",
                               optional.size(), " optional operand(s)");
       if (name == "alibi_slopes") o.alibi_slopes = view(*buf, "alibi_slopes", at);
       else if (name == "query_start_loc") o.query_start_loc = view(*buf, "query_start_loc", at);
-      else fail<InvalidArgument>(kCall, ": unknown optional operand '", name, "'");
+      else fail<InvalidArgument>("unknown optional operand '", name, "'");
     }
     if (index != optional.size())
-      fail<InvalidArgument>(kCall, ": ", optional.size(), " optional operand(s) given, ", index,
+      fail<InvalidArgument>(optional.size(), " optional operand(s) given, ", index,
                             " named by the attribute operands");
     paged_attention(view(*out, "out", at), view(query, "query", at), view(key_cache, "key_cache", at),
                     view(value_cache, "value_cache", at), view(block_tables, "block_tables", at),
@@ -236,9 +235,9 @@ ffi::Error reshape_and_cache_impl(const Place& at, ffi::AnyBuffer key, ffi::AnyB
   try {
     if (key_cache_out->untyped_data() != key_cache.untyped_data() ||
         value_cache_out->untyped_data() != value_cache.untyped_data())
-      fail<InvalidArgument>(kCall, ": the updated caches must alias the key_cache and value_cache operands "
+      fail<InvalidArgument>("the updated caches must alias the key_cache and value_cache operands "
                             "(input_output_aliases={2: 0, 3: 1})");
-    const Attrs a(attrs, kCall);
+    const Attrs a(attrs);
     CacheWriteOptions o;
     a.each([&](std::string_view name) {
       if (name == "kv_cache_dtype") o.kv_cache_dtype = parse_kv_cache_dtype(a.str(name));

@@ -81,6 +81,11 @@ def _put(device, *arrays):
     return tuple(jax.device_put(np.asarray(a), device).copy() for a in arrays)
 
 
+def _cpu(*arrays):
+    """JAX arrays on the CPU (a machine with a GPU puts jnp.asarray's arrays there)."""
+    return _put(jax.devices("cpu")[0], *arrays)
+
+
 def _np(a):
     return np.asarray(jax.device_get(a))
 
@@ -172,14 +177,14 @@ def test_block_manager_refuses_jax_outputs():
 def test_eager_calls_read_jax_arrays(rng):
     """Arrays pagedattn only reads may be JAX arrays: the eager calls take them as before."""
     p = _small(rng)
-    out = pagedattn.paged_attention(*(jnp.asarray(a) for a in p.args()))
+    out = pagedattn.paged_attention(*_cpu(*p.args()))
     assert isinstance(out, jax.Array)
     assert_close(np.asarray(out), paged_attention_ref(*p.args()), np.float32)
     key = rng.standard_normal((2, 2, 32)).astype(np.float32)
     value = rng.standard_normal((2, 2, 32)).astype(np.float32)
     slots = np.array([3, 40], np.int64)
     kc, vc = p.key_cache.copy(), p.value_cache.copy()
-    pagedattn.reshape_and_cache(jnp.asarray(key), jnp.asarray(value), kc, vc, jnp.asarray(slots))
+    pagedattn.reshape_and_cache(*_cpu(key, value), kc, vc, *_cpu(slots))
     reshape_and_cache_ref(key, value, p.key_cache, p.value_cache, slots)
     np.testing.assert_array_equal(kc, p.key_cache)
     np.testing.assert_array_equal(vc, p.value_cache)
@@ -395,8 +400,8 @@ def test_fp8_caches_typed_or_uint8(pj, device, rng):
 def test_vmap_over_queries(pj, rng):
     p = make_problem(rng, [4, 21], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     queries = rng.standard_normal((3,) + p.query.shape).astype(np.float32)
-    kc, vc, bt, sl = (jnp.asarray(a) for a in p.args()[1:])
-    outs = jax.jit(jax.vmap(lambda q: pj.paged_attention(q, kc, vc, bt, sl)))(jnp.asarray(queries))
+    kc, vc, bt, sl = _cpu(*p.args()[1:])
+    outs = jax.jit(jax.vmap(lambda q: pj.paged_attention(q, kc, vc, bt, sl)))(*_cpu(queries))
     for i in range(3):
         assert_close(np.asarray(outs[i]), paged_attention_ref(queries[i], *p.args()[1:]), np.float32, f"query {i}")
 
@@ -431,10 +436,26 @@ def test_index_errors_under_jit_on_the_cpu(pj, rng):
     bt = p.block_tables.copy()
     bt[1, 0] = 10_000
     with pytest.raises(Exception, match=r"IndexError: paged_attention: block_tables"):
-        jax.jit(pj.paged_attention)(*(jnp.asarray(a) for a in (p.query, p.key_cache, p.value_cache, bt, p.seq_lens))
-                                    ).block_until_ready()  # fmt: skip
+        jax.jit(pj.paged_attention)(*_cpu(p.query, p.key_cache, p.value_cache, bt, p.seq_lens)).block_until_ready()
     slots = np.array([0, 10_000], np.int64)
-    key = jnp.zeros((2, 2, 32), jnp.float32)
+    key = np.zeros((2, 2, 32), np.float32)
+    write = jax.jit(pj.reshape_and_cache)
     with pytest.raises(Exception, match=r"IndexError: reshape_and_cache: slot_mapping"):
-        jax.jit(pj.reshape_and_cache)(key, key, jnp.asarray(p.key_cache), jnp.asarray(p.value_cache),
-                                      jnp.asarray(slots, jnp.int32))[0].block_until_ready()  # fmt: skip
+        write(*_cpu(key, key, p.key_cache, p.value_cache, slots.astype(np.int32)))[0].block_until_ready()
+
+
+@needs_handlers
+def test_attributes_are_checked_by_name_and_type(pj, rng):
+    """An attribute no option reads, or one of the wrong type, is an error: a misspelt or
+    mistyped option never passes silently."""
+    p = _small(rng)
+    args = _cpu(*p.args())
+    call = jax.ffi.ffi_call("pagedattn_paged_attention", jax.ShapeDtypeStruct(p.query.shape, p.query.dtype))
+    with pytest.raises(Exception, match=r"ValueError: paged_attention: unknown attribute 'sclae'"):
+        call(*args, sclae=np.float32(0.5)).block_until_ready()
+    with pytest.raises(Exception, match=r"TypeError: paged_attention: attribute 'k_scale' has the wrong type"):
+        call(*args, k_scale=np.float64(0.5)).block_until_ready()
+    with pytest.raises(Exception, match=r"paged_attention: unknown optional operand 'sinks'"):
+        call(*args, args[4], operands="sinks").block_until_ready()
+    with pytest.raises(Exception, match=r"2 optional operand\(s\) given, 1 named"):
+        call(*args, args[4], args[4], operands="alibi_slopes").block_until_ready()
