@@ -208,11 +208,26 @@ def _decode_step(pj, q, k_new, v_new, key_cache, value_cache, slots, block_table
     return pj.paged_attention(q, key_cache, value_cache, block_tables, seq_lens), key_cache, value_cache
 
 
+def _growing_problem(rng, start, grow, block_size, **kw):
+    """make_problem for sequences of lengths `start` that will grow by `grow` tokens: each
+    sequence owns distinct blocks for all its tokens (the new ones' too), in a random order;
+    its table's last entry pads, pointing at a NaN block nobody owns."""
+    own = [-(-(int(n) + grow) // block_size) for n in start]
+    num_blocks = sum(own) + 2
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(start), max(own) + 1), perm[-1], np.int32)
+    pos = 0
+    for i, n in enumerate(own):
+        tables[i, :n] = perm[pos : pos + n]
+        pos += n
+    return make_problem(rng, start, block_size=block_size, block_tables=tables, num_blocks=num_blocks, **kw)
+
+
 def _decode_inputs(rng, layout, dtype, num_heads=8, num_kv_heads=2, head_size=64, block_size=16):
     """A problem whose sequences each get one new token: the inputs of one decode step, the
-    new token's slot included (the problem's block tables have room for it)."""
-    p = make_problem(rng, [1, 15, 16, 40], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                     block_size=block_size, dtype=dtype, layout=layout)  # fmt: skip
+    new token's slot included."""
+    p = _growing_problem(rng, [0, 15, 16, 40], 1, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_size=head_size, dtype=dtype, layout=layout)  # fmt: skip
     seq_lens = p.seq_lens + 1
     pos = p.seq_lens.astype(np.int64)
     slots = p.block_tables[np.arange(len(pos)), pos // block_size].astype(np.int64) * block_size + pos % block_size
@@ -283,8 +298,7 @@ def test_decode_loop_under_scan(pj, device, rng, donate):
     """Each iteration writes one new token per sequence, then attends over the grown cache."""
     steps, block_size, heads, kv_heads, head_size = 5, 8, 4, 2, 64
     start = np.array([0, 3, 7, 8, 20], np.int32)  # lengths before the loop (0: a new sequence)
-    p = make_problem(rng, start, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=block_size,
-                     pad_blocks=1 + steps // block_size, extra_blocks=8)  # fmt: skip
+    p = _growing_problem(rng, start, steps, block_size, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size)
     s = len(start)
     pos = start[None, :] + np.arange(steps)[:, None]  # [steps, S]: the new token's position
     slots = (p.block_tables[np.arange(s)[None, :], pos // block_size] * block_size + pos % block_size).astype(np.int32)
