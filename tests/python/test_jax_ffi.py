@@ -358,14 +358,16 @@ def test_varlen_query_under_jit(pj, device, rng):
 
 
 @needs_handlers
-def test_alibi_and_scale_under_jit(pj, device, rng):
-    p = make_problem(rng, [3, 33], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, alibi=True)
+@pytest.mark.parametrize("kernel", ["auto", "partitioned"])
+def test_alibi_scale_and_kernel_under_jit(pj, device, rng, kernel):
+    p = make_problem(rng, [3, 600], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, alibi=True)
     ref = paged_attention_ref(*p.args(), scale=0.2, alibi_slopes=p.alibi_slopes)
     args = _put(device, *p.args(), p.alibi_slopes)
-    out = jax.jit(lambda q, kc, vc, bt, sl, al: pj.paged_attention(q, kc, vc, bt, sl, scale=0.2, alibi_slopes=al))(
-        *args
-    )
-    assert_close(_np(out), ref, np.float32)
+
+    def attend(q, kc, vc, bt, sl, al):
+        return pj.paged_attention(q, kc, vc, bt, sl, scale=0.2, alibi_slopes=al, kernel=kernel, partition_size=0)
+
+    assert_close(_np(jax.jit(attend)(*args)), ref, np.float32)
 
 
 @needs_handlers
@@ -439,6 +441,10 @@ def test_errors_under_jit(pj, device, rng):
     write = jax.jit(pj.reshape_and_cache)
     with pytest.raises(Exception, match=r"reshape_and_cache: .*key"):
         write(key[:, :1], key, kc, vc, _put(device, np.array([0, 1], np.int32))[0])[0].block_until_ready()
+    bad = _put(device, np.where(np.arange(p.block_tables.shape[1]) == 0, 10_000, p.block_tables))[0]
+    checked = jax.jit(lambda *a: pj.paged_attention(*a, check_block_tables=True))
+    with pytest.raises(Exception, match=r"IndexError: paged_attention: block_tables\[[01], 0\] = 10000 is outside"):
+        checked(q, kc, vc, bad, sl).block_until_ready()
     # The process goes on: a good call after the bad ones.
     assert_close(_np(attend(q, kc, vc, bt, sl)), paged_attention_ref(*p.args()), np.float32)
 
