@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings.hpp"
+#include "call_args.hpp"
 #include "call_options.hpp"
 #include "ndarray.hpp"
 #include "pagedattn/block_manager.hpp"
@@ -279,9 +280,10 @@ struct Out {
 };
 
 template <class T>
-Out out_arg(const nb::object& given, std::initializer_list<std::size_t> shape, DType dt) {
+Out out_arg(const nb::object& given, std::initializer_list<std::size_t> shape, DType dt, const char* name = "out") {
   Out o;
   if (!given.is_none()) {
+    refuse_immutable(given, name);
     AnyMutArray arr;
     if (!nb::try_cast(given, arr, false))
       fail<TypeMismatch>("output arrays must be writable DLPack / buffer-protocol arrays, got ",
@@ -388,11 +390,12 @@ StepMetadata run_step(BlockManager& m, nb::handle seq_ids, nb::handle token_ids,
   const StepShape shape = m.plan_step(req);
   const std::int64_t width = table_width(m, shape.max_blocks, max_blocks, "step");
   const auto n = static_cast<std::size_t>(shape.num_seqs);
-  Out bt = out_arg<std::int32_t>(block_tables, {n, static_cast<std::size_t>(width)}, DType::kInt32);
-  Out sl = out_arg<std::int32_t>(seq_lens, {n}, DType::kInt32);
-  Out cl = out_arg<std::int32_t>(context_lens, {n}, DType::kInt32);
-  Out qs = out_arg<std::int32_t>(query_start_loc, {n + 1}, DType::kInt32);
-  Out sm = out_arg<std::int64_t>(slot_mapping, {static_cast<std::size_t>(shape.num_tokens)}, DType::kInt64);
+  Out bt = out_arg<std::int32_t>(block_tables, {n, static_cast<std::size_t>(width)}, DType::kInt32, "block_tables");
+  Out sl = out_arg<std::int32_t>(seq_lens, {n}, DType::kInt32, "seq_lens");
+  Out cl = out_arg<std::int32_t>(context_lens, {n}, DType::kInt32, "context_lens");
+  Out qs = out_arg<std::int32_t>(query_start_loc, {n + 1}, DType::kInt32, "query_start_loc");
+  Out sm = out_arg<std::int64_t>(slot_mapping, {static_cast<std::size_t>(shape.num_tokens)}, DType::kInt64,
+                                 "slot_mapping");
   StepOutputs out;
   out.block_tables = &bt.view;
   out.seq_lens = &sl.view;
@@ -420,6 +423,7 @@ StepMetadata run_step_into(BlockManager& m, nb::handle seq_ids, nb::handle token
   const TensorView* ptrs[5] = {};
   for (int k = 0; k < 5; ++k) {
     if (given[k]->is_none()) continue;
+    refuse_immutable(*given[k], names[k]);
     AnyMutArray arr;
     if (!nb::try_cast(*given[k], arr, false))
       fail<TypeMismatch>("step_into: ", names[k], " must be a writable DLPack / buffer-protocol array, got ",

@@ -45,6 +45,25 @@ std::string framework(nb::handle obj) {
   return s == "jaxlib" ? "jax" : s;
 }
 
+// Whether obj's type comes from JAX (jax.Array, its tracers), without importing JAX:
+// the type's module is read once per type and cached.
+bool is_jax(nb::handle obj) {
+  constexpr int kEntries = 8;
+  static PyTypeObject* types[kEntries];
+  static bool jax[kEntries];
+  static int used = 0;
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  for (int i = 0; i < used; ++i)
+    if (types[i] == type) return jax[i];
+  const bool found = framework(obj) == "jax";
+  if (used < kEntries) {
+    Py_INCREF(type);  // the entry names the type for the process's lifetime
+    types[used] = type;
+    jax[used++] = found;
+  }
+  return found;
+}
+
 std::string arg_type_name(nb::handle obj) {
   const std::string fw = framework(obj);
   const char* name = Py_TYPE(obj.ptr())->tp_name;
@@ -63,7 +82,8 @@ std::string dtype_text(nb::handle obj) {
 [[noreturn]] void fail_not_array(nb::handle obj, const char* name) {
   const std::string dt = dtype_text(obj);
   fail<TypeMismatch>(name, ": expected an array (NumPy, PyTorch, CuPy, JAX or any object with __dlpack__), got ",
-                     arg_type_name(obj), dt.empty() ? "" : detail::concat(" of dtype ", dt));
+                     arg_type_name(obj), dt.empty() ? "" : detail::concat(" of dtype ", dt),
+                     is_jax(obj) ? " (inside jax.jit and other JAX transformations use pagedattn.jax)" : "");
 }
 
 // obj.__dlpack__(), called here rather than by nanobind so that a capsule the producer
@@ -82,6 +102,9 @@ nb::object dlpack_capsule(nb::handle obj, const char* name, bool* read_only) {
       cap = method();
     }
   } catch (const nb::python_error& e) {
+    if (is_jax(obj))  // a tracer: inside jax.jit, lax.scan, vmap, ... there is no array to hand over
+      fail<TypeMismatch>(name, ": got a traced JAX value (", arg_type_name(obj), "), which has no memory to hand "
+                         "over: inside jax.jit and other JAX transformations use pagedattn.jax");
     fail<TypeMismatch>(name, ": its __dlpack__() raised ", nb::cast<std::string>(nb::str(e.value())));
   }
   if (!PyCapsule_CheckExact(cap.ptr()))
@@ -134,8 +157,16 @@ CallArrays::~CallArrays() {
   for (int i = 0; i < n_; ++i) exchange::release(owned_[i]);
 }
 
+void refuse_immutable(nb::handle obj, const char* name) {
+  if (!is_numpy(obj) && is_jax(obj))
+    fail<TypeMismatch>(name, ": got a JAX array, which is immutable: pagedattn never writes into one in place. "
+                       "Use pagedattn.jax, whose paged_attention returns a new array and whose reshape_and_cache "
+                       "returns the updated caches (under jax.jit too)");
+}
+
 int CallArrays::add(nb::handle obj, const char* name, bool written) {
   if (n_ >= kMax) fail<InvalidArgument>("internal: more than ", kMax, " arrays in one call");
+  if (written) refuse_immutable(obj, name);
   const int i = n_;
   TensorView v;
   exchange::DLManagedTensorVersioned* owned = nullptr;
@@ -225,6 +256,10 @@ int CallArrays::add_empty_like(int like, const char* name) {
     fresh = nb::handle(numpy().empty)(shape, "dtype"_a = dt);
     jax = fw == "jax";
   } else {
+    if (fw == "jax")
+      fail<TypeMismatch>(name, ": cannot allocate an output like the query, a ", arg_type_name(src), " on cuda:",
+                         q.device_id, " (JAX arrays are immutable): use pagedattn.jax.paged_attention, or pass out= "
+                         "(a writable array of another framework, e.g. torch or CuPy)");
     fail<TypeMismatch>(name, ": cannot allocate an output like the query, a ", arg_type_name(src), " on cuda:",
                        q.device_id, "; pass out= (any writable DLPack array)");
   }

@@ -115,4 +115,9 @@ class ArrayList {
 // A stream argument alone (for run() of a prepared call): null for None.
 void* stream_handle(nb::handle stream);
 
+// Throws TypeMismatch naming `name` when obj is a JAX array: an argument pagedattn writes
+// into must never be one (they are immutable; pagedattn.jax is the functional form).
+// Never imports JAX. CallArrays::add() calls it for every written argument.
+void refuse_immutable(nb::handle obj, const char* name);
+
 }  // namespace pagedattn::py

@@ -41,7 +41,8 @@ def _missing_modules(code: str) -> list[str]:
     names = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            # the whole dotted name: pagedattn.jax is missing from a build without its handlers
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     return sorted(n for n in names if not _importable(n))
