@@ -2,9 +2,20 @@
 // reference the CUDA backend is tested against.
 #pragma once
 
+#include <cmath>
+
 #include "params.hpp"
 
 namespace pagedattn::cpu {
+
+// exp(sink - row_max): an attention sink's share of a softmax denominator whose terms are
+// exp(logit - row_max). -inf is no sink; with no finite logit (row_max = -inf) a finite
+// sink takes all the weight (infinite share: the row's output is 0).
+inline double sink_weight(float sink, float row_max) {
+  if (sink == -INFINITY) return 0.0;
+  if (row_max == -INFINITY) return std::isnan(sink) ? sink : INFINITY;
+  return std::exp(static_cast<double>(sink) - static_cast<double>(row_max));
+}
 
 void paged_attention(const DecodeParams& p);
 // The varlen form (p.query_start_loc set): chunked prefill and mixed batches (cpu_prefill.cpp).

@@ -36,7 +36,9 @@ int convert_decode(CallArrays& a, nb::handle query, nb::handle key_cache, nb::ha
   const int alibi = a.add_optional(kw.alibi_slopes, "alibi_slopes");
   const int ws = a.add_optional(kw.workspace, "workspace", /*written=*/true);
   const int qsl = a.add_optional(kw.query_start_loc, "query_start_loc");
+  const int sinks = a.add_optional(kw.sinks, "sinks");
   if (alibi >= 0) kw.options.alibi_slopes = a[alibi];
+  if (sinks >= 0) kw.options.sinks = a[sinks];
   if (ws >= 0) kw.options.workspace = a[ws];
   if (qsl >= 0) kw.options.query_start_loc = a[qsl];
   kw.options.stream = a.stream(kw.stream, kQuery);
