@@ -9,11 +9,11 @@
 namespace pagedattn::cpu {
 
 // exp(sink - row_max): an attention sink's share of a softmax denominator whose terms are
-// exp(logit - row_max). -inf is no sink; with no finite logit (row_max = -inf) a finite
-// sink takes all the weight (infinite share: the row's output is 0).
+// exp(logit - row_max). -inf is no sink. A row without a finite logit (row_max = -inf:
+// non-finite inputs) stays NaN, as it is without a sink.
 inline double sink_weight(float sink, float row_max) {
   if (sink == -INFINITY) return 0.0;
-  if (row_max == -INFINITY) return std::isnan(sink) ? sink : INFINITY;
+  if (row_max == -INFINITY) return NAN;
   return std::exp(static_cast<double>(sink) - static_cast<double>(row_max));
 }
 

@@ -132,7 +132,8 @@ def _attend(
     if sinks is not None:
         sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[:, None, None], top.shape)
         with np.errstate(invalid="ignore"):
-            top = np.where(sink > top, sink, top)  # NaN sinks stay out of the max
+            # NaN sinks stay out of the max; a row without a finite logit stays NaN
+            top = np.where(np.isfinite(top) & (sink > top), sink, top)
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.exp(logits - top)
         den = p.sum(axis=2, keepdims=True)

@@ -65,6 +65,7 @@ struct AttentionOptions {
   // denominator of head h (in the units of the logits; a sink carries no value):
   //   out = sum_t exp(l_t) v_t / (sum_t exp(l_t) + exp(sinks[h])).
   // -inf is no sink, +inf gives zeros, NaN gives NaN rows (the contents are not checked).
+  // A row without a finite logit (non-finite inputs) is NaN with or without a sink.
   std::optional<TensorView> sinks;
 };
 
