@@ -66,15 +66,20 @@ def make_varlen(rng, seq_lens, q_lens, *, dtype=np.float32, **kw):
 def make_fp8(rng, seq_lens, kind, *, dtype=np.float32, layout="vllm", k_scale=0.05, v_scale=0.03, **kw):
     """make_problem whose caches are fp8 (uint8) written by reshape_and_cache; other slots NaN."""
     p = make_problem(rng, seq_lens, dtype=dtype, layout=layout, **kw)
-    kshape, vshape = pagedattn.kv_cache_shape(p.key_cache.shape[0], kw.get("block_size", 16),
-                                              kw.get("num_kv_heads", 2), kw.get("head_size", 64), "uint8", layout)  # fmt: skip
+    bs, kh, d = kw.get("block_size", 16), kw.get("num_kv_heads", 2), kw.get("head_size", 64)
+    kshape, vshape = pagedattn.kv_cache_shape(p.key_cache.shape[0], bs, kh, d, "uint8", layout)
     kc = np.full(kshape, NAN_FP8, np.uint8)
     vc = np.full(vshape, NAN_FP8, np.uint8)
-    bs = kw.get("block_size", 16)
-    slots = np.concatenate(
-        [p.block_tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs for i, n in enumerate(p.seq_lens)]
+    slots = (
+        np.concatenate(
+            [
+                p.block_tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+                for i, n in enumerate(p.seq_lens)
+            ]
+        )
+        if len(p.seq_lens)
+        else np.zeros(0, np.int64)
     )
-    kh, d = kw.get("num_kv_heads", 2), kw.get("head_size", 64)
     k = (rng.standard_normal((len(slots), kh, d)) * 40 * k_scale).astype(dtype)
     v = (rng.standard_normal((len(slots), kh, d)) * 40 * v_scale).astype(dtype)
     pagedattn.reshape_and_cache(k, v, kc, vc, slots, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
@@ -425,7 +430,7 @@ def test_block_manager_window_release(rng, pad, window):
         nonlocal released_total
         md = m.step(ids, query_lens=q_lens, pad=pad)
         ks, vs = [], []
-        for sid, ctx, q in zip(ids, md.context_lens.tolist(), np.diff(md.query_start_loc).tolist()):
+        for sid, q in zip(ids, np.diff(md.query_start_loc).tolist()):
             k = rng.standard_normal((q, kh, d))
             v = rng.standard_normal((q, kh, d))
             dense_k[sid] = np.concatenate([dense_k[sid], k])

@@ -263,7 +263,7 @@ def _draw_variants(d: Draw, H: int, B: int, nan_sinks: bool) -> dict:
     return kw
 
 
-def _reached_blocks(p: "DecodeProblem") -> list:
+def _reached_blocks(p: DecodeProblem) -> list:
     """(sequence, block index) of every block a decode reads: a window's earlier blocks are not."""
     w = int(p.kw.get("sliding_window", 0))
     out = []
@@ -493,7 +493,8 @@ def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
     m.append(("soft_cap bad", setkw(soft_cap=d.choice([-1.0, -1e-30, float("nan"), float("inf"), -float("inf"), 1e39])),
               (ValueError,), None))  # fmt: skip
     m.append(("soft_cap str", setkw(soft_cap=d.choice(["1", None])), (TypeError,), None))
-    m.append(("sinks length", setkw(sinks=np.zeros(H + d.choice([1, -1]) if H else 1, np.float32)), (ValueError,), None))
+    m.append(("sinks length", setkw(sinks=np.zeros(H + d.choice([1, -1]) if H else 1, np.float32)), (ValueError,),
+              None))  # fmt: skip
     m.append(("sinks float64", setkw(sinks=np.zeros(H, d.choice([np.float64, np.float16, np.int32]))), (TypeError,),
               None))  # fmt: skip
     m.append(("sinks 2-D", setkw(sinks=np.zeros((H, 1), np.float32)), (ValueError,), None))
