@@ -361,12 +361,14 @@ def test_varlen_fp8_caches(rng, kind, dtype, layout):
 
 
 def test_varlen_long_chunk_in_a_window(rng):
-    """A 2048-row chunk at the end of a 16k context with a 1000-token window: rows of one
-    CTA see different, partly disjoint key ranges."""
-    p, qsl = make_varlen(rng, [16384, 3000], [2048, 1], dtype=np_dtype("bfloat16"), num_heads=16, num_kv_heads=4,
+    """A 1024-row chunk at the end of a 16k context with a 300-token window: the rows of
+    one CTA see different, partly disjoint key ranges, and most key tiles of the context
+    are never visited."""
+    p, qsl = make_varlen(rng, [16384, 3000], [1024, 1], dtype=np_dtype("bfloat16"), num_heads=8, num_kv_heads=2,
                          head_size=128, alibi=True)  # fmt: skip
-    poison_outside_window(p, 1000, [2048, 1])
-    check(p, "bfloat16", qsl, cpu=False, sliding_window=1000, soft_cap=30.0, sinks=sinks_for(rng, 16))
+    assert poison_outside_window(p, 300, [1024, 1]) > 15000
+    for extra in ({}, {"max_query_len": 1024}):
+        check(p, "bfloat16", qsl, cpu=False, sliding_window=300, soft_cap=30.0, sinks=sinks_for(rng, 8), **extra)
 
 
 # ---- errors ------------------------------------------------------------------------------
