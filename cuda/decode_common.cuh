@@ -109,11 +109,6 @@ __device__ __forceinline__ int window_base(const DecodeKernelParams& p, int len)
   return window_first(p, len) & ~(kWindowAlign - 1);
 }
 
-// A base-2 logit through the soft cap (when on: a uniform branch).
-__device__ __forceinline__ float soft_capped(const DecodeKernelParams& p, float v) {
-  return p.soft_cap_log2 > 0.f ? p.soft_cap_log2 * tanhf(v * p.inv_soft_cap_log2) : v;
-}
-
 // Where a decode CTA works. Grid: x = partition, y = KV head x head tile, z = sequence.
 // cta_task also issues the load of the sequence's length (checked by cta_seq_len), so
 // the caller can issue its block-id loads before waiting on it.

@@ -364,7 +364,22 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       }
     }
 
-    // online softmax (base 2), masking tokens >= tok_end
+    // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
+    // its own, so the plain call runs the same instructions as without the option
+    if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] = p.soft_cap_log2 * tanhf(sc[nt][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] *= p.qk_scale_log2;
+    }
+
+    // online softmax (base 2), masking tokens outside [wfirst, tok_end)
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -372,7 +387,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int tok = t0 + slot_token<L>(nt, 2 * c + (e & 1));
         const int half = e >> 1;
-        float v = soft_capped(p, sc[nt][e] * p.qk_scale_log2) + slope[half] * static_cast<float>(tok - len + 1);
+        float v = sc[nt][e] + slope[half] * static_cast<float>(tok - len + 1);
         if (static_cast<unsigned>(tok - wfirst) >= visible) v = -INFINITY;
         sc[nt][e] = v;
         mx[half] = fmaxf(mx[half], v);

@@ -136,11 +136,17 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
         for (int r = 0; r < C::kRows; ++r)
           part_dot[r] += q[r][k][0] * kv.x + q[r][k][1] * kv.y + q[r][k][2] * kv.z + q[r][k][3] * kv.w;
       }
+      float v[C::kRows];
+#pragma unroll
+      for (int r = 0; r < C::kRows; ++r) v[r] = warp_sum(part_dot[r]) * p.qk_scale_log2;
+      if (p.soft_cap_log2 > 0.f) {  // a uniform branch around a loop of its own: free when off
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) v[r] = p.soft_cap_log2 * tanhf(v[r] * p.inv_soft_cap_log2);
+      }
 #pragma unroll
       for (int r = 0; r < C::kRows; ++r) {
-        const float v =
-            soft_capped(p, warp_sum(part_dot[r]) * p.qk_scale_log2) + slope[r] * static_cast<float>(tok - len + 1);
-        if (lane == t) my[r] = v;
+        const float x = v[r] + slope[r] * static_cast<float>(tok - len + 1);
+        if (lane == t) my[r] = x;
       }
     }
     // online softmax over the chunk

@@ -284,6 +284,25 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
       }
     }
 
+    // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
+    // its own, so the plain call runs the same instructions as without the option
+    if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < C::kBN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < C::kBN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mt][n][e] *= p.qk_scale_log2;
+    }
+
     const int t0 = kt * C::kBN;
     const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;
 #pragma unroll
@@ -295,7 +314,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
         for (int e = 0; e < 4; ++e) {
           const int hr = e / 2;
           const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-          float x = prefill_soft_capped(p, sc[mt][n][e] * p.qk_scale_log2);
+          float x = sc[mt][n][e];
           if (p.alibi_slopes) x += slope[mt][hr] * static_cast<float>(t - pos[mt][hr]);
           if (masked && static_cast<unsigned>(pos[mt][hr] - t) >= wlim) x = -INFINITY;
           sc[mt][n][e] = x;
