@@ -97,6 +97,18 @@ __device__ __forceinline__ void fill_out(const DecodeKernelParams& p, int row, i
   }
 }
 
+// Sliding window: the first key the query of a sequence of length len sees (0 without a
+// window), and the first token its CTAs stream: that key rounded down to a warp chunk
+// (kWindowAlign, the partition alignment), so chunks keep their block alignment. The
+// partitions are laid from there; blocks before it are never read.
+inline constexpr int kWindowAlign = 16;
+__device__ __forceinline__ int window_first(const DecodeKernelParams& p, int len) {
+  return p.sliding_window > 0 && len > p.sliding_window ? len - p.sliding_window : 0;
+}
+__device__ __forceinline__ int window_base(const DecodeKernelParams& p, int len) {
+  return window_first(p, len) & ~(kWindowAlign - 1);
+}
+
 // Where a decode CTA works. Grid: x = partition, y = KV head x head tile, z = sequence.
 // cta_task also issues the load of the sequence's length (checked by cta_seq_len), so
 // the caller can issue its block-id loads before waiting on it.
@@ -120,6 +132,8 @@ __device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int til
   t.rows = min(tile_rows, p.group - row0);
   t.h0 = t.kvh * p.group + row0;
   t.tok_begin = t.part * p.partition_size;
+  // a window lays the partitions from its base: waits for the length (windowed calls only)
+  if (p.sliding_window > 0) t.tok_begin += window_base(p, t.raw_len);
   t.table_row = p.block_tables + static_cast<std::int64_t>(t.s) * p.max_blocks_per_seq;
   return t;
 }
@@ -189,6 +203,9 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
       // out may be strided by single elements: element stores
       T* out =
           static_cast<T*>(p.out) + row_out * p.o_stride_seq + static_cast<std::int64_t>(h) * p.o_stride_head + d;
+      // the sink joins the denominator (partitioned calls: once, in the reduce); a row
+      // without a finite logit stays NaN
+      if (p.sinks != nullptr && mx != -INFINITY) l += exp2f(p.sinks[h] * kLog2e - mx);
       const float inv = 1.f / l;
       out[0] = from_float<T>(o.x * inv);
       out[1] = from_float<T>(o.y * inv);

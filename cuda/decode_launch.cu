@@ -95,6 +95,11 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   k.v_scale = p.kv_cache_dtype == KVCacheDType::kAuto ? 1.0f : p.v_scale;
   k.partition_size = plan.partition_size;
   k.num_partitions = plan.num_partitions;
+  static_assert(kWindowAlign == planner::kPartitionAlign, "windows are laid out in whole partition chunks");
+  k.sliding_window = p.sliding_window;
+  k.soft_cap_log2 = p.soft_cap * kLog2e;
+  k.inv_soft_cap_log2 = p.soft_cap > 0.0f ? 1.0f / (p.soft_cap * kLog2e) : 0.0f;
+  k.sinks = p.sinks;
 
   std::optional<CallScratch> scratch;  // partitioned calls without a caller workspace
   if (plan.partials) {

@@ -12,7 +12,8 @@ namespace {
 
 // The inputs of make_launch_plan: everything host-known that the plan depends on.
 struct PlanKey {
-  int device, head_size, num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, partition_size;
+  int device, head_size, num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, partition_size,
+      sliding_window;
   DecodeKernel kernel;
   DType dtype;
   KVCacheDType kv_cache_dtype;
@@ -21,7 +22,8 @@ struct PlanKey {
     return device == o.device && head_size == o.head_size && num_seqs == o.num_seqs && num_heads == o.num_heads &&
            num_kv_heads == o.num_kv_heads && max_blocks_per_seq == o.max_blocks_per_seq &&
            block_size == o.block_size && kernel == o.kernel && partition_size == o.partition_size &&
-           dtype == o.dtype && kv_cache_dtype == o.kv_cache_dtype && layout == o.layout;
+           dtype == o.dtype && kv_cache_dtype == o.kv_cache_dtype && layout == o.layout &&
+           sliding_window == o.sliding_window;
   }
 };
 
@@ -48,6 +50,7 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   shape.cache_elem_bytes = cache_elem_size(p.dtype, p.kv_cache_dtype);
   shape.kernel = p.kernel;
   shape.partition_size = p.partition_size;
+  shape.sliding_window = p.sliding_window;
   planner::KernelShape kernel;
   kernel.threads = lp.kernel.threads;
   kernel.rows = lp.kernel.rows;
@@ -69,7 +72,8 @@ const LaunchPlan& cached_launch_plan(const DecodeParams& p) {
   thread_local Entry entries[kSlots];
   thread_local int next = 0;
   const PlanKey key{p.device_id,  p.head_size, p.num_seqs,       p.num_heads, p.num_kv_heads,   p.max_blocks_per_seq,
-                    p.block_size, p.partition_size, p.kernel, p.dtype,     p.kv_cache_dtype, p.layout};
+                    p.block_size, p.partition_size, p.sliding_window, p.kernel, p.dtype, p.kv_cache_dtype,
+                    p.layout};
   for (Entry& e : entries)
     if (e.used && e.key == key) return e.plan;
   Entry& e = entries[next];

@@ -102,6 +102,22 @@ __device__ __forceinline__ int k_off(int j, int t) {
   else return (t * NJ + (NJ % 8 == 0 ? j ^ ((t & 1) << 2) : j)) * 16;
 }
 
+// Zeroes the values of the first n (< 16) tokens of a stage's V (vs): one warp.
+template <class C, CacheLayout L>
+__device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int nck) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (L == CacheLayout::kVLLM) {  // [D][16 tokens]
+    for (int i = lane; i < D * n; i += 32) {
+      unsigned char* e = vs + ((i / n) * 16 + i % n) * C::kE;
+#pragma unroll
+      for (int b = 0; b < C::kE; ++b) e[b] = 0;
+    }
+  } else {  // [16 tokens] rows of nck 16-byte chunks
+    for (int i = lane; i < n * nck; i += 32)
+      *reinterpret_cast<uint4*>(vs + v_off<C>(i / nck, i % nck)) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 template <class T, KVCacheDType F, int HEAD, CacheLayout L>
 __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
@@ -137,6 +153,9 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
   const int nck = (D * C::kE + 15) / 16;  // 16-byte chunks per K row actually present
   const int row_bytes = D * C::kE;
+  // keys [wfirst, tok_end) are visible: one unsigned compare masks both ends
+  const int wfirst = window_first(p, len);
+  const unsigned visible = static_cast<unsigned>(tok_end - wfirst);
 
   // ---- Q fragments (A operand), permuted dims, zero for rows >= `rows` / dims >= D
   std::uint32_t qa[C::kKSteps][4];
@@ -187,10 +206,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     unsigned char* vs = ks + C::kKBytes;
-    const int idA = checked_block_id(p, s, t0 / B, rawA);
+    // with B < 16, the chunk's first block may lie wholly before the window: not read
+    const bool skip_a = B < 16 && t0 + 8 <= wfirst;
+    const int idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, rawA);
     int idB = idA;
     if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, rawB) : -1;
-    bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
     if constexpr (L == CacheLayout::kVLLM) {
       if (HEAD != 0 && B == 16) {
         // A chunk is one whole block: the K slab [D/x, 16, x] and the V slab [D, 16] of
@@ -307,6 +328,13 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     const unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     const unsigned char* vs = ks + C::kKBytes;
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    // The window's first chunk: the slots before the window that its block holds came in
+    // with the copies; their values are zeroed, so they never meet a product (their
+    // logits are masked below). K needs nothing: a key only reaches its own column.
+    if (t0 < wfirst) {
+      zero_values<C, L>(my_ring + (i % C::kStages) * C::kStageBytes + C::kKBytes, wfirst - t0, D, nck);
+      __syncwarp();
+    }
 
     // S = Q K^T
     float sc[2][4];
@@ -336,7 +364,22 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       }
     }
 
-    // online softmax (base 2), masking tokens >= tok_end
+    // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
+    // its own, so the plain call runs the same instructions as without the option
+    if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[nt][e] = p.soft_cap_log2 * tanhf(sc[nt][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] *= p.qk_scale_log2;
+    }
+
+    // online softmax (base 2), masking tokens outside [wfirst, tok_end)
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -344,8 +387,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int tok = t0 + slot_token<L>(nt, 2 * c + (e & 1));
         const int half = e >> 1;
-        float v = sc[nt][e] * p.qk_scale_log2 + slope[half] * static_cast<float>(tok - len + 1);
-        if (tok >= tok_end) v = -INFINITY;
+        float v = sc[nt][e] + slope[half] * static_cast<float>(tok - len + 1);
+        if (static_cast<unsigned>(tok - wfirst) >= visible) v = -INFINITY;
         sc[nt][e] = v;
         mx[half] = fmaxf(mx[half], v);
       }

@@ -37,6 +37,13 @@ struct DecodeKernelParams {
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;
 
+  // Variants (0 / null = off). A window of W tokens: the query at len - 1 sees keys
+  // len - W .. len - 1 and the partitions are laid from window_base() (decode_common.cuh).
+  int sliding_window;
+  float soft_cap_log2;      // soft_cap * log2(e): logit2 = soft_cap_log2 * tanh(logit2 / soft_cap_log2)
+  float inv_soft_cap_log2;  // 1 / soft_cap_log2
+  const float* sinks;       // [H] (natural units): exp(sinks[h]) joins head h's denominator
+
   int partition_size;  // tokens per partition (a multiple of 16)
   int num_partitions;  // NP; 1 = single pass, writes `out` directly
   float* part_out;     // [S, H, NP, D] unnormalised partial outputs (NP > 1)

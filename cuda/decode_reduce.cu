@@ -34,7 +34,8 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
     for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = from_float<T>(len == 0 ? 0.f : NAN);
     return;
   }
-  const int np = (len + p.partition_size - 1) / p.partition_size;
+  // the partitions the decode CTAs wrote: those starting before len (from the window's base)
+  const int np = (len - window_base(p, len) + p.partition_size - 1) / p.partition_size;
   const std::int64_t row0 = (static_cast<std::int64_t>(s) * p.num_heads + h) * p.num_partitions;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pieces = D / 4;
@@ -82,6 +83,8 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
     f[w] = warp_m[w] == -INFINITY ? 0.f : exp2f(warp_m[w] - mx);  // warps without partitions: 0
     sum += f[w] * warp_l[w];
   }
+  // the sink joins the denominator once, here; a row without a finite logit stays NaN
+  if (p.sinks != nullptr && mx != -INFINITY) sum += exp2f(p.sinks[h] * kLog2e - mx);
   const float inv = 1.f / sum;
   const float* flat = reinterpret_cast<const float*>(warp_out);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {

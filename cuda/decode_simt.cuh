@@ -65,6 +65,9 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   if (len < 0) return;
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
+  // keys [wfirst, tok_end) are visible: one unsigned compare masks both ends
+  const int wfirst = window_first(p, len);
+  const unsigned visible = static_cast<unsigned>(tok_end - wfirst);
 
   float q[C::kRows][C::kPieces][4];
   float slope[C::kRows];
@@ -94,7 +97,9 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 
   for (int ci = warp; ci < nchunks; ci += C::kWarps) {
     const int t0 = tok_begin + ci * C::kTok;
-    const int idA = checked_block_id(p, s, t0 / B, raw_a);
+    // with B < 16, the chunk's first block may lie wholly before the window: not read
+    const bool skip_a = B < 16 && t0 + 8 <= wfirst;
+    const int idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, raw_a);
     int idB = idA;
     if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, raw_b) : -1;
     const int tn = t0 + C::kWarps * C::kTok;  // the warp's next chunk
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
       raw_a = __ldg(table_row + tn / B);
       raw_b = (B < 16 && tn + 8 < tok_end) ? __ldg(table_row + (tn + 8) / B) : raw_a;
     }
-    bad |= (idA < 0) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
 
     // scores: lane t keeps the scores of token t0 + t
     float my[C::kRows];
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     for (int t = 0; t < C::kTok; ++t) {
       const int tok = t0 + t;
       const int id = t < 8 ? idA : idB;
-      if (tok >= tok_end || id < 0) continue;  // warp-uniform
+      if (static_cast<unsigned>(tok - wfirst) >= visible || id < 0) continue;  // warp-uniform
       const int off = tok % B;
       float part_dot[C::kRows];
 #pragma unroll
@@ -131,10 +136,17 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
         for (int r = 0; r < C::kRows; ++r)
           part_dot[r] += q[r][k][0] * kv.x + q[r][k][1] * kv.y + q[r][k][2] * kv.z + q[r][k][3] * kv.w;
       }
+      float v[C::kRows];
+#pragma unroll
+      for (int r = 0; r < C::kRows; ++r) v[r] = warp_sum(part_dot[r]) * p.qk_scale_log2;
+      if (p.soft_cap_log2 > 0.f) {  // a uniform branch around a loop of its own: free when off
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) v[r] = p.soft_cap_log2 * tanhf(v[r] * p.inv_soft_cap_log2);
+      }
 #pragma unroll
       for (int r = 0; r < C::kRows; ++r) {
-        const float v = warp_sum(part_dot[r]) * p.qk_scale_log2 + slope[r] * static_cast<float>(tok - len + 1);
-        if (lane == t) my[r] = v;
+        const float x = v[r] + slope[r] * static_cast<float>(tok - len + 1);
+        if (lane == t) my[r] = x;
       }
     }
     // online softmax over the chunk
@@ -155,7 +167,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
     for (int t = 0; t < C::kTok; ++t) {
       const int tok = t0 + t;
       const int id = t < 8 ? idA : idB;
-      if (tok >= tok_end || id < 0) continue;
+      if (static_cast<unsigned>(tok - wfirst) >= visible || id < 0) continue;
       const int off = tok % B;
       float pt[C::kRows];
 #pragma unroll

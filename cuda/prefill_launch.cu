@@ -88,6 +88,10 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
   k.v_scale = fp8 ? p.v_scale : 1.0f;
+  k.sliding_window = p.sliding_window;
+  k.soft_cap_log2 = p.soft_cap * kLog2e;
+  k.inv_soft_cap_log2 = p.soft_cap > 0.0f ? 1.0f / (p.soft_cap * kLog2e) : 0.0f;
+  k.sinks = p.sinks;
 
   std::optional<ErrorRecordLease> record;  // checked calls only: the call's own record
   if (p.check_block_tables) {

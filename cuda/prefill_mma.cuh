@@ -83,13 +83,14 @@ __device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n)
   }
 }
 
-// Loads keys and values [t0, t0 + kBN) of KV head kh (those at or past kv_end as zeros).
+// Loads keys and values [t0, t0 + kBN) of KV head kh (those at or past kv_end, and those
+// of blocks before kv_lo's, a window's unread blocks, as zeros).
 // Consecutive threads take consecutive 8-element pieces of the cache's own memory order,
 // so a warp's loads cover whole runs: nhd, a token's [D] row; vllm, a block's [D/x][B][x]
 // keys and [D][B] values, each one contiguous run per block and KV head.
 template <class C, class T, KVCacheDType F, int D, CacheLayout L>
 __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh,
-                                                  int t0, int kv_end, T* ks, T* vs) {
+                                                  int t0, int kv_lo, int kv_end, T* ks, T* vs) {
   const int B = p.block_size, K = p.num_kv_heads;
   const auto* kc = static_cast<const std::uint8_t*>(p.key_cache);
   const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
@@ -97,7 +98,7 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
     constexpr int kChunks = D / 8;  // pieces of a token row
     for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
       const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
-      const bool live = t < kv_end;
+      const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
       const std::int64_t blk = live ? table[t / B] : 0;
       const std::int64_t i = ((blk * B + t % B) * K + kh) * D + c * 8;
       prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + i * C::kE, live ? 8 : 0);
@@ -115,11 +116,13 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
       const int kd = pc / (kX / 8) / B * kX + pc % (kX / 8) * 8;
       // values: piece pc = dim * (B / 8) + group of 8 tokens
       const int vd = pc / (B / 8), vt = pc % (B / 8) * 8;
-      const std::int64_t blk = t_blk < kv_end ? table[t_blk / B] : 0;
+      const bool live = t_blk < kv_end && t_blk >= kv_lo;  // kv_lo: block-aligned
+      const std::int64_t blk = live ? table[t_blk / B] : 0;
       const std::int64_t base = (blk * K + kh) * D * B + static_cast<std::int64_t>(pc) * 8;
-      prefill_load8<T, F>(ks + (bi * B + tok) * C::kPitch + kd, kc + base * C::kE, t_blk + tok < kv_end ? 8 : 0);
+      prefill_load8<T, F>(ks + (bi * B + tok) * C::kPitch + kd, kc + base * C::kE,
+                          live && t_blk + tok < kv_end ? 8 : 0);
       prefill_load8<T, F>(vs + vd * C::kVtPitch + bi * B + vt, vc + base * C::kE,
-                          min(8, max(0, kv_end - (t_blk + vt))));
+                          live ? min(8, max(0, kv_end - (t_blk + vt))) : 0);
     }
   }
 }
@@ -158,15 +161,20 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   }
   const int ctx = q.len - q.q_len;
   const int kv_end = ctx + (r_hi - 1) / G + 1;  // keys the CTA's last row sees
-  if (!prefill_blocks_ok(p, s, kv_end)) {
+  // Sliding window: the CTA's first row's window starts first; the key tiles start at
+  // the tile holding it and the blocks before its block are never read.
+  const int kv_begin = prefill_window_first(p, ctx + r_lo / G);
+  const int kv_lo = kv_begin / p.block_size * p.block_size;
+  if (!prefill_blocks_ok(p, s, kv_begin, kv_end)) {
     prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
     return;
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
+  const int kt_first = kv_begin / C::kBN;
 
   if constexpr (!C::kQInRegs) {  // Q has room of its own: the first key tile loads meanwhile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, kt_first * C::kBN, kv_lo, kv_end, ks_base, vs_base);
     cp_async_commit();
   }
   // Q tile (rows past the sequence's are zeros), element by element: the query may be
@@ -193,7 +201,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) q_frag(qf[kk], 0, kk);
     __syncthreads();  // the ring's first stage overwrites the staged Q tile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, 0, kv_end, ks_base, vs_base);
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, kt_first * C::kBN, kv_lo, kv_end, ks_base, vs_base);
     cp_async_commit();
   }
 
@@ -210,6 +218,11 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     }
   }
   const int min_pos = ctx + r_lo / G;  // the CTA's first row
+  // keys pos - t in [0, wlim) are visible to the row at pos (one unsigned compare; padding
+  // rows, pos = -1, see none); with a window, tiles before the last row's window start
+  // are masked element by element too
+  const unsigned wlim = p.sliding_window > 0 ? static_cast<unsigned>(p.sliding_window) : 0x80000000u;
+  const int max_first = prefill_window_first(p, ctx + (r_hi - 1) / G);
 
   float o[MT][D / 8][4] = {};
   float m_run[MT][2], l_run[MT][2];
@@ -218,12 +231,12 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     m_run[mt][0] = m_run[mt][1] = -INFINITY;
     l_run[mt][0] = l_run[mt][1] = 0.0f;
   }
-  for (int kt = 0; kt < n_tiles; ++kt) {
-    const int stage = kt & 1;
+  for (int kt = kt_first; kt < n_tiles; ++kt) {
+    const int stage = (kt - kt_first) & 1;
     if (kt + 1 < n_tiles) {
       const int nxt = stage ^ 1;
-      prefill_load_tile<C, T, F, D, L>(p, table, kh, (kt + 1) * C::kBN, kv_end, ks_base + nxt * (C::kKBytes / 2),
-                                       vs_base + nxt * (C::kVBytes / 2));
+      prefill_load_tile<C, T, F, D, L>(p, table, kh, (kt + 1) * C::kBN, kv_lo, kv_end,
+                                       ks_base + nxt * (C::kKBytes / 2), vs_base + nxt * (C::kVBytes / 2));
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -232,6 +245,18 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     __syncthreads();
     const T* ks = ks_base + stage * (C::kKBytes / 2);
     const T* vs = vs_base + stage * (C::kVBytes / 2);
+    if (kt == kt_first && kt * C::kBN < kv_begin) {
+      // The window's first tile: the values of its block's slots before the window came in
+      // with the copies and are zeroed, so they never meet a product (their logits are
+      // masked below; a key only reaches its own column).
+      T* v = vs_base + stage * (C::kVBytes / 2);
+      const int n = kv_begin - kt * C::kBN;
+      for (int i = threadIdx.x; i < n * D; i += C::kThreads) {
+        const int tt = i / D, d = i % D;
+        v[L == CacheLayout::kVLLM ? d * C::kVtPitch + tt : tt * C::kPitch + d] = from_float<T>(0.0f);
+      }
+      __syncthreads();
+    }
 
     float sc[MT][C::kBN / 8][4] = {};
 #pragma unroll
@@ -259,8 +284,27 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
       }
     }
 
+    // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
+    // its own, so the plain call runs the same instructions as without the option
+    if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < C::kBN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < C::kBN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mt][n][e] *= p.qk_scale_log2;
+    }
+
     const int t0 = kt * C::kBN;
-    const bool masked = t0 + C::kBN - 1 > min_pos;
+    const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float mx[2] = {-INFINITY, -INFINITY};
@@ -270,9 +314,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
         for (int e = 0; e < 4; ++e) {
           const int hr = e / 2;
           const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-          float x = sc[mt][n][e] * p.qk_scale_log2;
+          float x = sc[mt][n][e];
           if (p.alibi_slopes) x += slope[mt][hr] * static_cast<float>(t - pos[mt][hr]);
-          if (masked && t > pos[mt][hr]) x = -INFINITY;
+          if (masked && static_cast<unsigned>(pos[mt][hr] - t) >= wlim) x = -INFINITY;
           sc[mt][n][e] = x;
           mx[hr] = fmaxf(mx[hr], x);
         }
@@ -346,7 +390,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
       if (r >= rows) continue;
       const int tok = q.row0 + r / G, h = kh * G + r % G;
       T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
-      const float inv = p.v_scale / l;
+      const float inv = p.v_scale / (l + prefill_sink(p, h, m_run[mt][hr]));
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int d = n * 8 + 2 * (lane % 4);

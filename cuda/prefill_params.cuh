@@ -35,6 +35,12 @@ struct PrefillKernelParams {
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)
 
+  // Variants (0 / null = off): see DecodeKernelParams.
+  int sliding_window;       // the row at position pos sees keys pos - W + 1 .. pos
+  float soft_cap_log2;      // soft_cap * log2(e)
+  float inv_soft_cap_log2;  // 1 / soft_cap_log2
+  const float* sinks;       // [H] (natural units)
+
   DeviceErrorRecord* error;  // the checked call's record, or null
 };
 
@@ -105,13 +111,30 @@ __device__ __forceinline__ void prefill_flat_task(const PrefillKernelParams& p, 
   tile = static_cast<int>(t);
 }
 
-// Checks the block ids of tokens [0, kv_end) of sequence s: true when all are inside the
-// pool (every thread gets the same answer; the first bad one is recorded).
-__device__ __forceinline__ bool prefill_blocks_ok(const PrefillKernelParams& p, int s, int kv_end) {
+// The first key a row at position pos sees: 0, or with a sliding window pos - W + 1.
+__device__ __forceinline__ int prefill_window_first(const PrefillKernelParams& p, int pos) {
+  return p.sliding_window > 0 && pos >= p.sliding_window ? pos - p.sliding_window + 1 : 0;
+}
+
+// A base-2 logit through the soft cap (when on: a uniform branch).
+__device__ __forceinline__ float prefill_soft_capped(const PrefillKernelParams& p, float v) {
+  return p.soft_cap_log2 > 0.f ? p.soft_cap_log2 * tanhf(v * p.inv_soft_cap_log2) : v;
+}
+
+// exp(sinks[h]) in the units of a row whose base-2 max logit is m: the sink's share of
+// the row's denominator (0 without sinks; a row without a finite logit stays NaN).
+__device__ __forceinline__ float prefill_sink(const PrefillKernelParams& p, int h, float m) {
+  return p.sinks != nullptr && m != -INFINITY ? exp2f(p.sinks[h] * kLog2e - m) : 0.f;
+}
+
+// Checks the block ids of tokens [kv_begin, kv_end) of sequence s (the blocks before
+// kv_begin's are not read): true when all are inside the pool (every thread gets the
+// same answer; the first bad one is recorded).
+__device__ __forceinline__ bool prefill_blocks_ok(const PrefillKernelParams& p, int s, int kv_begin, int kv_end) {
   const int nb = (kv_end + p.block_size - 1) / p.block_size;
   const std::int32_t* row = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   int bad = 0;
-  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+  for (int i = kv_begin / p.block_size + threadIdx.x; i < nb; i += blockDim.x) {
     const int id = row[i];
     if (id < 0 || id >= p.num_blocks) {
       record_error(p.error, DecodeErrorFlag::kBlockId, s, i, id);

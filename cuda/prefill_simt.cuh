@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
   }
   const int ctx = q.len - q.q_len;
   const int kv_end = ctx + (r_hi - 1) / p.group + 1;  // keys the CTA's last row sees
-  if (!prefill_blocks_ok(p, s, kv_end)) {
+  // the CTA's first row's window starts first: blocks before it are not read
+  if (!prefill_blocks_ok(p, s, prefill_window_first(p, ctx + r_lo / p.group), kv_end)) {
     prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
     return;
   }
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
   const float slope = p.alibi_slopes ? p.alibi_slopes[h] * kLog2e : 0.0f;
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   float m = -INFINITY, l = 0.0f;
-  for (int t = 0; t <= pos; ++t) {
+  for (int t = prefill_window_first(p, pos); t <= pos; ++t) {
     const std::int64_t blk = table[t / p.block_size];
     const int off = t % p.block_size;
     float part = 0.0f;
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
       const int d = lane + 32 * i;
       if (d < D) part += qv[i] * prefill_cache_elem<T, F, L, true>(p, blk, off, kh, d);
     }
-    const float x = warp_sum(part) * p.qk_scale_log2 + slope * static_cast<float>(t - pos);
+    const float x = prefill_soft_capped(p, warp_sum(part) * p.qk_scale_log2) + slope * static_cast<float>(t - pos);
     const float m_new = fmaxf(m, x);
     const float corr = exp2f(m - m_new), w = exp2f(x - m_new);
     l = l * corr + w;
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
     m = m_new;
   }
   T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
-  const float inv = p.v_scale / l;
+  const float inv = p.v_scale / (l + prefill_sink(p, h, m));
 #pragma unroll
   for (int i = 0; i < kPrefillSimtDims; ++i) {
     const int d = lane + 32 * i;

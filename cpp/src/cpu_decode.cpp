@@ -15,6 +15,9 @@
 // values) take a plain scalar path. Softmax is numerically stable (max subtracted) in
 // float32, over chunks of at most kChunkTokens tokens with a running max and sum (the
 // online form), so a task's scratch does not grow with the context length.
+// Variants: a sliding window starts the block loop at the window's first block and skips
+// the tokens before the window in it (never read into a sum); the soft cap maps the
+// chunk's logits through tanh before ALiBi; a sink joins the denominator once, at the end.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -104,22 +107,27 @@ class DecodeTask {
     total_.assign(static_cast<std::size_t>(G_) * D_, 0.0);
     if (L_ > 0) {
       const int num_blocks = L_ / B_ + (L_ % B_ != 0);  // L_ + B_ - 1 overflows int near 2^31
-      read_block_ids(num_blocks);
+      ws_ = static_cast<int>(window_start(p_.sliding_window, L_ - 1));
+      const int first_block = ws_ / B_;
+      read_block_ids(first_block, num_blocks);
       load_query();
       const int chunk = std::max(1, kChunkTokens / B_);
-      lstride_ = std::min(num_blocks, chunk) * B_;
+      lstride_ = std::min(num_blocks - first_block, chunk) * B_;
       s_.logits.resize(static_cast<std::size_t>(G_) * static_cast<std::size_t>(lstride_));
       max_.assign(static_cast<std::size_t>(G_), -INFINITY);
       sum_.assign(static_cast<std::size_t>(G_), 0.0);
-      for (int b0 = 0; b0 < num_blocks; b0 += chunk) {
+      for (int b0 = first_block; b0 < num_blocks; b0 += chunk) {
         const int b1 = std::min(num_blocks, b0 + chunk);
         logits_pass(b0, b1);
         softmax(b0, b1);
         value_pass(b0, b1, lanes);
       }
       inv_sum_.resize(static_cast<std::size_t>(G_));
-      for (int g = 0; g < G_; ++g)
-        inv_sum_[static_cast<std::size_t>(g)] = 1.0 / sum_[static_cast<std::size_t>(g)];
+      for (int g = 0; g < G_; ++g) {
+        const auto gi = static_cast<std::size_t>(g);
+        const double sink = p_.sinks ? sink_weight(p_.sinks[h0_ + g], max_[gi]) : 0.0;
+        inv_sum_[gi] = 1.0 / (sum_[gi] + sink);
+      }
     }
     write_out();
   }
@@ -138,10 +146,11 @@ class DecodeTask {
     return len;
   }
 
-  void read_block_ids(int num_blocks) {
+  // Blocks [first, num_blocks) (the entries before a window's first block are not read).
+  void read_block_ids(int first, int num_blocks) {
     const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(seq_) * p_.max_blocks_per_seq;
     s_.blocks.resize(static_cast<std::size_t>(num_blocks));
-    for (int b = 0; b < num_blocks; ++b) {
+    for (int b = first; b < num_blocks; ++b) {
       const std::int32_t id = row[b];
       if (id < 0 || id >= p_.num_blocks)
         fail<OutOfRange>("block_tables[", seq_, ", ", b, "] = ", id, " is outside [0, num_blocks = ", p_.num_blocks,
@@ -152,6 +161,8 @@ class DecodeTask {
 
   std::size_t gd(int g) const { return static_cast<std::size_t>(g) * D_; }
   int tokens_in(int b) const { return std::min(B_, L_ - b * B_); }
+  // The first token of block b inside the window (0 but in the window's first block).
+  int first_in(int b) const { return std::max(0, ws_ - b * B_); }
 
   void load_query() {
     const auto elem = static_cast<std::int64_t>(dtype_size(p_.dtype));
@@ -207,6 +218,7 @@ class DecodeTask {
   PAGEDATTN_HOT void logits_pass(int b0, int b1) {
     for (int b = b0; b < b1; ++b) {
       const int n = tokens_in(b);
+      const int t0 = first_in(b);  // tokens before it are outside the window: never read
       const float* kb = load_block(s_.blocks[static_cast<std::size_t>(b)], false);
       float* lg0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       if (vec_k_) {
@@ -214,7 +226,7 @@ class DecodeTask {
         for (int g = 0; g < G_; ++g) {
           const float* q = s_.q.data() + gd(g);
           float* lg = lg0 + static_cast<std::size_t>(g) * lstride_;
-          for (int t = 0; t < n; ++t) {
+          for (int t = t0; t < n; ++t) {
             f8 acc = {};
             for (int c = 0; c < D_ / W; ++c) acc += load8(q + c * W) * load8(km.at(c, t));
             lg[t] = hsum(acc);
@@ -224,7 +236,7 @@ class DecodeTask {
         for (int g = 0; g < G_; ++g) {
           const float* q = s_.q.data() + gd(g);
           float* lg = lg0 + static_cast<std::size_t>(g) * lstride_;
-          for (int t = 0; t < n; ++t) {
+          for (int t = t0; t < n; ++t) {
             float acc = 0.0f;
             for (int d = 0; d < D_; ++d) acc += q[d] * key_at(kb, t, d);
             lg[t] = acc;
@@ -234,24 +246,33 @@ class DecodeTask {
     }
   }
 
-  // Softmax of one chunk per query head (ALiBi bias first), online: the running max
-  // rises to cover the chunk, the sum and the output total are rescaled to it.
+  // Softmax of one chunk per query head (soft cap, then ALiBi bias first), online: the
+  // running max rises to cover the chunk, the sum and the output total are rescaled to it.
   // Probabilities stay unnormalised; the 1 / sum is applied to the output. With a single
-  // chunk this is exactly the two-pass softmax over the whole context.
+  // chunk this is exactly the two-pass softmax over the whole context. Tokens before the
+  // window (j < j0, first chunk only) weigh 0.
   void softmax(int b0, int b1) {
     const int t0 = b0 * B_;
     const int n = std::min(L_, b1 * B_) - t0;
+    const int j0 = std::min(n, std::max(0, ws_ - t0));
     for (int g = 0; g < G_; ++g) {
       const auto gi = static_cast<std::size_t>(g);
-      float* lg = s_.logits.data() + gi * static_cast<std::size_t>(lstride_);
+      float* full = s_.logits.data() + gi * static_cast<std::size_t>(lstride_);
+      std::fill(full, full + j0, 0.0f);
+      float* lg = full + j0;
+      const int m = n - j0;
+      if (p_.soft_cap > 0.0f) {
+        const float cap = p_.soft_cap, inv = 1.0f / p_.soft_cap;
+        for (int j = 0; j < m; ++j) lg[j] = cap * std::tanh(lg[j] * inv);
+      }
       if (p_.alibi_slopes) {
         const float slope = p_.alibi_slopes[h0_ + g];
-        for (int j = 0; j < n; ++j) lg[j] += slope * static_cast<float>(t0 + j - L_ + 1);
+        for (int j = 0; j < m; ++j) lg[j] += slope * static_cast<float>(t0 + j0 + j - L_ + 1);
       }
       float mx = max_[gi];
-      for (int j = 0; j < n; ++j) mx = std::max(mx, lg[j]);
+      for (int j = 0; j < m; ++j) mx = std::max(mx, lg[j]);
       if (mx == -INFINITY) {  // nothing but -inf so far: these tokens weigh 0
-        std::fill(lg, lg + n, 0.0f);
+        std::fill(lg, lg + m, 0.0f);
         continue;
       }
       const float corr = std::exp(max_[gi] - mx);  // 0 on the first finite chunk
@@ -260,7 +281,7 @@ class DecodeTask {
         for (int d = 0; d < D_; ++d) total[d] *= corr;
       }
       double sum = sum_[gi] * corr;
-      for (int j = 0; j < n; ++j) {
+      for (int j = 0; j < m; ++j) {
         lg[j] = std::exp(lg[j] - mx);
         sum += lg[j];
       }
@@ -299,13 +320,14 @@ class DecodeTask {
   PAGEDATTN_HOT void value_blocks(int b0, int f0, int f1) {
     for (int b = f0; b < f1; ++b) {
       const int n = tokens_in(b);
+      const int t0 = first_in(b);  // tokens before it are outside the window: never read
       const float* vb = load_block(s_.blocks[static_cast<std::size_t>(b)], true);
       const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       for (int g = 0; g < G_; ++g) {
         const float* pr = pr0 + static_cast<std::size_t>(g) * lstride_;
         if (p_.layout == CacheLayout::kNHD) {  // vb [B][D]
           float* acc = s_.acc.data() + gd(g);
-          for (int t = 0; t < n; ++t) {
+          for (int t = t0; t < n; ++t) {
             const float w = pr[t];
             const float* v = vb + static_cast<std::size_t>(t) * D_;
             if (vec_v_) {
@@ -315,7 +337,7 @@ class DecodeTask {
               for (int d = 0; d < D_; ++d) acc[d] += w * v[d];
             }
           }
-        } else if (vec_v_ && n == B_) {  // vb [D][B], full block: 8 tokens per vector
+        } else if (vec_v_ && n == B_ && t0 == 0) {  // vb [D][B], full block: 8 tokens per vector
           float* acc = s_.acc.data() + gd(g) * W;
           for (int d = 0; d < D_; ++d) {
             f8 a = load8(acc + static_cast<std::size_t>(d) * W);
@@ -323,13 +345,13 @@ class DecodeTask {
             for (int tc = 0; tc < B_ / W; ++tc) a += load8(pr + tc * W) * load8(vr + tc * W);
             store8(acc + static_cast<std::size_t>(d) * W, a);
           }
-        } else {  // vb [D][B], partial block or scalar path: only the n written tokens are read
+        } else {  // vb [D][B], partial block or scalar path: only tokens t0 .. n are read
           const int stride = vec_v_ ? W : 1;
           float* acc = s_.acc.data() + gd(g) * static_cast<std::size_t>(stride);
           for (int d = 0; d < D_; ++d) {
             const float* vr = vb + static_cast<std::size_t>(d) * B_;
             float a = 0.0f;
-            for (int t = 0; t < n; ++t) a += pr[t] * vr[t];
+            for (int t = t0; t < n; ++t) a += pr[t] * vr[t];
             acc[static_cast<std::size_t>(d) * stride] += a;
           }
         }
@@ -357,6 +379,7 @@ class DecodeTask {
   const std::int64_t head_elems_;
   const bool direct_, vec_k_, vec_v_;
   Scratch& s_;
+  int ws_ = 0;                 // the window's first token (0 without a window)
   int lstride_ = 0;            // logits row length: tokens of one chunk
   std::vector<float> max_;     // [G] running max of the logits
   std::vector<double> sum_;    // [G] running sum of exp(logit - max)

@@ -15,6 +15,12 @@
 // baseline, picked once at run time (see pick_kernels); on CPUs with AVX512-BF16,
 // bfloat16 inputs take bfloat16 pair products (see bf16dot).
 //
+// Variants: with a sliding window a tile's key loop starts at the block of its first
+// row's window start, and the keys of that chunk before it are cleared after loading (so
+// slots outside every window never reach a sum); each row masks the keys before its own
+// window. The soft cap maps the logits through tanh before ALiBi; a sink joins each row's
+// denominator once, when the output is written.
+//
 // A batch whose every sequence has one query row is the decode problem itself and goes
 // to the decode path, so it returns the decode call's numbers exactly.
 #include <algorithm>
@@ -200,11 +206,13 @@ std::vector<Tile> make_tiles(const DecodeParams& p, int tokens_per_tile) {
                        " between 0 and seq_lens = ", len, " rows within num_tokens = ", p.num_tokens,
                        " (it changed while the call ran)");
     const int q = next - start;
+    // The keys the rows read: all of them, or (a window) at most the window plus the rows.
+    const std::int64_t keys = len - window_start(p.sliding_window, len - q);
     // Later rows see more keys: a group's tiles run last row first.
     for (int kh = 0; kh < p.num_kv_heads; ++kh) {
       for (int j1 = q; j1 > 0; j1 -= tokens_per_tile) {
         const int j0 = std::max(0, j1 - tokens_per_tile);
-        tiles.push_back({s, kh, j0, j1, start, q, len, static_cast<std::int64_t>(len) * q});
+        tiles.push_back({s, kh, j0, j1, start, q, len, keys * q});
       }
     }
     start = next;
@@ -262,6 +270,7 @@ class TileTask {
         NC_(static_cast<int>(round_up(static_cast<std::int64_t>(chunk_blocks_) * p.block_size, kColPad))),
         pos0_(t.seq_len - t.q_len + t.j0),
         keys_(pos0_ + R_),
+        ws_(static_cast<int>(window_start(p.sliding_window, pos0_))),
         ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
         x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
         bf_(k.gemm_bf16 && p.dtype == DType::kBFloat16 && p.kv_cache_dtype == KVCacheDType::kAuto &&
@@ -269,7 +278,9 @@ class TileTask {
         s_(scratch()) {}
 
   void run() {
-    read_block_ids();
+    const int chunk_keys = chunk_blocks_ * B_;
+    const int first_key = ws_ / B_ * B_;  // chunks start at the window's first block
+    read_block_ids(first_key / B_);
     const auto mp = static_cast<std::size_t>(Mp_);
     if (bf_) {
       load_query_bf16();
@@ -288,10 +299,9 @@ class TileTask {
     s_.fold_max.assign(mp, -INFINITY);
     s_.row_sum.assign(mp, 0.0);
     s_.corr.resize(mp);
-    const int chunk_keys = chunk_blocks_ * B_;
     const int per_fold = std::max(1, kMergeKeys / chunk_keys);
     int since_fold = 0;
-    for (int k0 = 0; k0 < keys_; k0 += chunk_keys) {
+    for (int k0 = first_key; k0 < keys_; k0 += chunk_keys) {
       const int n = std::min(chunk_keys, keys_ - k0);
       // The next chunk's keys and values start coming in while this one is computed: the
       // rows of a block table are scattered, so the hardware prefetchers do not see them.
@@ -299,10 +309,12 @@ class TileTask {
         prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
       if (bf_) {
         load_chunk_bf16(k0, n);
+        if (k0 < ws_) clear_keys_bf16(ws_ - k0);
         k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false,
                      p_.scale);
       } else {
         load_chunk(k0, n);
+        if (k0 < ws_) clear_keys(ws_ - k0);
         k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
       }
       bias_and_mask(k0, n);
@@ -329,11 +341,12 @@ class TileTask {
   // Position of tile row m (token-major: m = r * G + g); padding rows take the last one.
   int pos(int m) const { return pos0_ + std::min(m / G_, R_ - 1); }
 
-  void read_block_ids() {
+  // Blocks [first, nb) (the entries before a window's first block are not read).
+  void read_block_ids(int first) {
     const int nb = keys_ / B_ + (keys_ % B_ != 0);
     const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(t_.seq) * p_.max_blocks_per_seq;
     s_.blocks.resize(static_cast<std::size_t>(nb));
-    for (int b = 0; b < nb; ++b) {
+    for (int b = first; b < nb; ++b) {
       const std::int32_t id = row[b];
       if (id < 0 || id >= p_.num_blocks)
         fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id,
@@ -521,17 +534,48 @@ class TileTask {
     }
   }
 
-  // ALiBi (slope[h] * (t - p)) and the mask: key k0 + c is visible to row m when
-  // c < n (a real key of the chunk, not padding) and k0 + c <= pos(m) (causal).
+  // The keys [0, n) of the chunk (n from the chunk's start) lie before the tile's window:
+  // they are zeroed, so whatever their slots hold (released blocks, NaN) never meets a
+  // product (their logits are masked too).
+  void clear_keys(int n) {
+    n = std::min(n, NC_);
+    for (int d = 0; d < D_; ++d) {
+      float* col = s_.kt.data() + static_cast<std::size_t>(d) * NC_;
+      std::fill(col, col + n, 0.0f);
+    }
+    std::fill(s_.v.data(), s_.v.data() + static_cast<std::size_t>(n) * Dp_, 0.0f);
+  }
+  void clear_keys_bf16(int n) {
+    n = std::min(n, NC_);
+    for (int d = 0; d < D_ / 2; ++d) {
+      std::uint32_t* col = s_.ktw.data() + static_cast<std::size_t>(d) * NC_;
+      std::fill(col, col + n, 0u);
+    }
+    for (int key = 0; key < n; ++key) {
+      std::uint32_t* vr = s_.vw.data() + static_cast<std::size_t>(key / 2) * Dp_;
+      for (int d = 0; d < D_; ++d) set_half(vr[d], key, 0);
+    }
+  }
+
+  // Soft cap, ALiBi (slope[h] * (t - p)) and the mask: key k0 + c is visible to row m
+  // when c < n (a real key of the chunk, not padding), k0 + c <= pos(m) (causal) and,
+  // with a window W, k0 + c >= pos(m) - W + 1.
   void bias_and_mask(int k0, int n) {
     for (int m = 0; m < Mp_; ++m) {
       float* s = s_.s.data() + row(m) * NC_;
       const int p = pos(m);
+      const int visible = std::max(0, std::min(n, p - k0 + 1));
+      const std::int64_t first = window_start(p_.sliding_window, p) - k0;  // the first column in the window
+      const int hidden = static_cast<int>(std::clamp<std::int64_t>(first, 0, visible));
+      if (p_.soft_cap > 0.0f) {
+        const float cap = p_.soft_cap, inv = 1.0f / p_.soft_cap;
+        for (int c = hidden; c < visible; ++c) s[c] = cap * std::tanh(s[c] * inv);
+      }
       if (p_.alibi_slopes && m < M_) {
         const float slope = p_.alibi_slopes[t_.kv_head * G_ + m % G_];
-        for (int c = 0; c < n; ++c) s[c] += slope * static_cast<float>(k0 + c - p);
+        for (int c = hidden; c < visible; ++c) s[c] += slope * static_cast<float>(k0 + c - p);
       }
-      const int visible = std::max(0, std::min(n, p - k0 + 1));
+      std::fill(s, s + hidden, -INFINITY);
       std::fill(s + visible, s + NC_, -INFINITY);
     }
   }
@@ -575,7 +619,9 @@ class TileTask {
     s_.raw.resize(std::max(s_.raw.size(), static_cast<std::size_t>(D_)));
     float* out_row = s_.raw.data();
     for (int m = 0; m < M_; ++m) {
-      const double inv = 1.0 / s_.row_sum[row(m)];
+      const double sink =
+          p_.sinks ? sink_weight(p_.sinks[t_.kv_head * G_ + m % G_], s_.row_max[row(m)]) : 0.0;
+      const double inv = 1.0 / (s_.row_sum[row(m)] + sink);
       const double* t = s_.o64.data() + row(m) * Dp_;
       for (int d = 0; d < D_; ++d) out_row[d] = static_cast<float>(t[d] * inv);
       const std::int64_t tok = t_.row0 + t_.j0 + m / G_;
@@ -589,6 +635,7 @@ class TileTask {
   const Tile& t_;
   const Kernels& k_;
   const int G_, D_, Dp_, B_, R_, M_, Mp_, chunk_blocks_, NC_, pos0_, keys_;
+  const int ws_;  // the first key any row of the tile sees (0 without a window)
   const std::int64_t ce_;
   const int x_;
   const bool bf_;  // bfloat16 pair products (see bf16dot)

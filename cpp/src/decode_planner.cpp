@@ -42,7 +42,9 @@ DecodePlan make_plan(const DecodeShape& p, const KernelShape& kernel, const Devi
   const int G = p.num_heads / p.num_kv_heads;
   plan.tiles = (G + kernel.rows - 1) / kernel.rows;
   const std::int64_t base = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles;
-  const std::int64_t ctx = std::max<std::int64_t>(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size, 1);
+  std::int64_t ctx = std::max<std::int64_t>(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size, 1);
+  if (p.sliding_window > 0)  // the kernels lay the partitions from the window's chunk-aligned start
+    ctx = std::min<std::int64_t>(ctx, static_cast<std::int64_t>(p.sliding_window) + kPartitionAlign);
 
   std::int64_t psize = 0;
   if (p.kernel == DecodeKernel::kSinglePass) {

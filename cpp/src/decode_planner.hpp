@@ -32,6 +32,8 @@ struct DecodeShape {
   DecodeKernel kernel = DecodeKernel::kAuto;
   int partition_size = 0;  // tokens per partition when forced; 0 = choose. A multiple of
                            // kPartitionAlign (the validator refuses others)
+  int sliding_window = 0;  // W > 0: a CTA streams at most W + kPartitionAlign - 1 tokens (the
+                           // window from its chunk-aligned base), so the plan is for that context
 };
 
 // The decode kernel that will run.

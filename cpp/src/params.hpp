@@ -46,6 +46,11 @@ struct DecodeParams {
   float k_scale = 1.0f;  // fp8 caches: real key = stored * k_scale
   float v_scale = 1.0f;
 
+  // Variants (see AttentionOptions); 0 / null = off.
+  int sliding_window = 0;         // tokens
+  float soft_cap = 0.0f;          // logit = soft_cap * tanh(logit / soft_cap)
+  const float* sinks = nullptr;   // [H]: exp(sinks[h]) joins head h's softmax denominator
+
   DType dtype = DType::kFloat32;  // query, output, and (kAuto) cache element type
   KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
   CacheLayout layout = CacheLayout::kVLLM;
@@ -84,6 +89,13 @@ struct CacheWriteParams {
   CacheLayout layout = CacheLayout::kVLLM;
   int device_id = 0;
 };
+
+// First key position a sliding window lets any query row at or after `first_pos` see
+// (0 without a window): keys and blocks before it are never read.
+inline std::int64_t window_start(int sliding_window, std::int64_t first_pos) noexcept {
+  const std::int64_t s = first_pos - sliding_window + 1;
+  return sliding_window > 0 && s > 0 ? s : 0;
+}
 
 // Element size in bytes of the cache given the input dtype and the cache dtype.
 inline std::size_t cache_elem_size(DType dtype, KVCacheDType kv) noexcept {

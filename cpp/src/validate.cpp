@@ -353,6 +353,10 @@ void check_decode_shape(const DecodeShape& sh, DeviceKind device, const Attentio
                             "x = 16 / element size = ", x, " (the \"nhd\" layout takes any head size)");
   }
   if (opt.scale && !std::isfinite(*opt.scale)) fail<InvalidArgument>("scale: must be finite, got ", *opt.scale);
+  if (opt.sliding_window < 0)
+    fail<InvalidArgument>("sliding_window: must be >= 0 (tokens; 0 = off), got ", opt.sliding_window);
+  if (!std::isfinite(opt.soft_cap) || opt.soft_cap < 0.0f)
+    fail<InvalidArgument>("soft_cap: must be a finite number >= 0 (0 = off), got ", opt.soft_cap);
   if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");
@@ -382,6 +386,8 @@ DecodeParams decode_params_of(const DecodeShape& sh, const AttentionOptions& opt
   p.partition_size = opt.partition_size;
   p.check_block_tables = opt.check_block_tables;
   p.device_id = sh.device_id;
+  p.sliding_window = opt.sliding_window;
+  p.soft_cap = opt.soft_cap;
   return p;
 }
 
@@ -396,6 +402,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   check_same_device(query, "query", block_tables, "block_tables");
   check_same_device(query, "query", seq_lens, "seq_lens");
   if (opt.alibi_slopes) check_same_device(query, "query", *opt.alibi_slopes, "alibi_slopes");
+  if (opt.sinks) check_same_device(query, "query", *opt.sinks, "sinks");
   const TensorView* qsl = opt.query_start_loc ? &*opt.query_start_loc : nullptr;
   if (qsl) check_same_device(query, "query", *qsl, "query_start_loc");
 
@@ -450,6 +457,13 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
     check_dim(a, "alibi_slopes", 0, H, "num_heads");
     check_contiguous(a, "alibi_slopes");
   }
+  if (opt.sinks) {
+    const TensorView& a = *opt.sinks;
+    check_ndim(a, "sinks", 1, "[num_heads]");
+    check_dtype(a, "sinks", DType::kFloat32);
+    check_dim(a, "sinks", 0, H, "num_heads");
+    check_contiguous(a, "sinks");
+  }
   check_no_self_overlap(out, "out");
   const Written out_w(out, "out");
   out_w.disjoint_from(query, "query", /*allow_identical=*/true);
@@ -458,6 +472,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   out_w.disjoint_from(block_tables, "block_tables");
   out_w.disjoint_from(seq_lens, "seq_lens");
   if (opt.alibi_slopes) out_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
+  if (opt.sinks) out_w.disjoint_from(*opt.sinks, "sinks");
   if (qsl) out_w.disjoint_from(*qsl, "query_start_loc");
 
   DecodeShape sh;
@@ -484,6 +499,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.block_tables = block_tables.ptr<const std::int32_t>();
   p.seq_lens = seq_lens.ptr<const std::int32_t>();
   p.alibi_slopes = opt.alibi_slopes ? opt.alibi_slopes->ptr<const float>() : nullptr;
+  p.sinks = opt.sinks ? opt.sinks->ptr<const float>() : nullptr;
   p.num_blocks = g.num_blocks;
   if (qsl) {
     p.query_start_loc = qsl->ptr<const std::int32_t>();
@@ -504,6 +520,7 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
       const Written ws_w(ws, "workspace");
       for (int i = 0; i < 6; ++i) ws_w.disjoint_from(*inputs[i], names[i]);
       if (opt.alibi_slopes) ws_w.disjoint_from(*opt.alibi_slopes, "alibi_slopes");
+      if (opt.sinks) ws_w.disjoint_from(*opt.sinks, "sinks");
       if (qsl) ws_w.disjoint_from(*qsl, "query_start_loc");
       p.workspace = ws.data;
       p.workspace_bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
@@ -525,7 +542,10 @@ void check_decode_indices(const DecodeParams& p) {
       fail<OutOfRange>("seq_lens[", s, "] = ", len, " is outside [0, max_blocks_per_seq * block_size = ", max_len, "]");
     const std::int64_t nb = (len + p.block_size - 1) / p.block_size;
     const std::int32_t* row = p.block_tables + s * p.max_blocks_per_seq;
-    for (std::int64_t b = 0; b < nb; ++b)
+    // A sliding window leaves the blocks before its first key unread (released ones hold -1).
+    std::int64_t first_pos = len - 1;  // the decode query; varlen: the first query row
+    if (p.query_start_loc) first_pos = len - (static_cast<std::int64_t>(p.query_start_loc[s + 1]) - p.query_start_loc[s]);
+    for (std::int64_t b = window_start(p.sliding_window, first_pos) / p.block_size; b < nb; ++b)
       if (row[b] < 0 || row[b] >= p.num_blocks)
         fail<OutOfRange>("block_tables[", s, ", ", b, "] = ", row[b], " is outside [0, num_blocks = ", p.num_blocks,
                          ") (sequence ", s, " has length ", len, ")");

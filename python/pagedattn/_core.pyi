@@ -48,6 +48,7 @@ class Supported(TypedDict):
     cuda_block_sizes: list[int]
     cpu_max_head_size: int
     cpu_max_block_size: int
+    variants: tuple[str, ...]
 
 class DecodePlan(TypedDict):
     num_partitions: int
@@ -83,12 +84,16 @@ def paged_attention(
     check_block_tables: bool = False,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Optional[SupportsDLPack] = None,
     stream: Stream = None,
 ) -> _Array:
     """Paged attention over the KV cache; returns a new array of the query's type, dtype and device.
 
     query [S, H, D] (one token per sequence), or [T, H, D] with query_start_loc int32 [S+1]
     (sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; max_query_len bounds them).
+    Variants: sliding_window=W (keys p - W + 1 .. p), soft_cap=c (c * tanh(logit / c)), sinks float32 [H].
     """
 
 @overload
@@ -111,6 +116,9 @@ def paged_attention(
     check_block_tables: bool = False,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Optional[SupportsDLPack] = None,
     stream: Stream = None,
 ) -> _Out:
     """Paged attention over the KV cache, written into `out` (like the query); returns `out`."""
@@ -138,6 +146,9 @@ class PreparedDecode(Generic[_Array]):
         check_block_tables: bool = False,
         query_start_loc: Optional[SupportsDLPack] = None,
         max_query_len: Optional[int] = None,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+        sinks: Optional[SupportsDLPack] = None,
         stream: Stream = None,
     ) -> None: ...
     def run(self, stream: Stream = None) -> _Array: ...
@@ -177,6 +188,8 @@ def decode_workspace_size(
     kernel: Kernel = "auto",
     partition_size: int = 0,
     check_block_tables: bool = False,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> int:
     """Bytes of CUDA scratch paged_attention needs for these sizes and options (0: none)."""
 
@@ -198,6 +211,8 @@ def decode_plan(
     kernel: Kernel = "auto",
     partition_size: int = 0,
     check_block_tables: bool = False,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> DecodePlan:
     """How paged_attention runs on CUDA for these sizes and options."""
 

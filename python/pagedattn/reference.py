@@ -63,8 +63,10 @@ def gather_kv(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    start: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Dense float64 keys and values [seq_len, K, D] of one sequence."""
+    """Dense float64 keys and values [seq_len - start, K, D] of one sequence: positions
+    start .. seq_len - 1 (the blocks before ``start``'s block are not read)."""
     key_cache = np.asarray(key_cache)
     value_cache = np.asarray(value_cache)
     if key_cache.ndim == 5:  # vllm: key [N, K, D/x, B, x], value [N, K, D, B]
@@ -72,8 +74,10 @@ def gather_kv(
         d = dx * x
     else:  # nhd: [N, B, K, D]
         _, bs, kh, d = key_cache.shape
-    n_blocks = -(-seq_len // bs)
-    blocks = np.asarray(block_table)[:n_blocks].astype(np.int64)
+    start = max(0, min(start, seq_len))
+    first = start // bs
+    n_blocks = -(-seq_len // bs) - first
+    blocks = np.asarray(block_table)[first : first + n_blocks].astype(np.int64)
     kc = _to_f64(key_cache[blocks], kv_cache_dtype, k_scale)
     vc = _to_f64(value_cache[blocks], kv_cache_dtype, v_scale)
     if key_cache.ndim == 5:
@@ -83,54 +87,105 @@ def gather_kv(
     else:
         k = kc.reshape(n_blocks * bs, kh, d)
         v = vc.reshape(n_blocks * bs, kh, d)
-    return k[:seq_len], v[:seq_len]
+    skip = start - first * bs
+    return k[skip : seq_len - first * bs], v[skip : seq_len - first * bs]
 
 
-def dense_attention(
-    q: Any, k: np.ndarray, v: np.ndarray, scale: float, alibi_slopes: Optional[Any] = None
+def _window_start(sliding_window: int, pos: int) -> int:
+    """The first key position a query at ``pos`` sees (0 without a window)."""
+    return max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+
+
+def _attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_start: int,
+    scale: float,
+    alibi_slopes: Optional[Any],
+    sliding_window: int,
+    soft_cap: float,
+    sinks: Optional[Any],
 ) -> np.ndarray:
-    """Single-token attention: q [H, D], k / v [L, K, D] -> [H, D], float64."""
-    q = np.asarray(q).astype(np.float64)
-    h, d = q.shape
-    length, kh, _ = k.shape
-    if length == 0:
-        return np.zeros((h, d))
-    group = h // kh
-    kk = np.repeat(k, group, axis=1)  # [L, H, D]
-    vv = np.repeat(v, group, axis=1)
-    logits = np.einsum("hd,lhd->hl", q, kk) * scale
-    if alibi_slopes is not None:
-        pos = np.arange(length) - length + 1
-        logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[:, None] * pos[None, :]
-    logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=1, keepdims=True)
-    return np.einsum("hl,lhd->hd", p, vv)
-
-
-def causal_attention(
-    q: Any, k: np.ndarray, v: np.ndarray, scale: float, alibi_slopes: Optional[Any] = None
-) -> np.ndarray:
-    """The last n tokens of a sequence attending causally: q [n, H, D], k / v [L, K, D]
-    (n <= L) -> [n, H, D], float64. Row j sits at position L - n + j and sees keys 0 .. it."""
-    q = np.asarray(q).astype(np.float64)
+    """q [n, H, D] at positions q_pos [n]; k / v [L, K, D] at positions k_start ..
+    k_start + L - 1 -> [n, H, D]: causal, windowed, soft-capped, with ALiBi and sinks."""
     n, h, d = q.shape
     length, kh, _ = k.shape
-    if n == 0:
-        return np.zeros((0, h, d))
+    if n == 0 or length == 0:
+        return np.zeros((n, h, d))
     group = h // kh
     kk = np.repeat(k, group, axis=1)  # [L, H, D]
     vv = np.repeat(v, group, axis=1)
     logits = np.einsum("nhd,lhd->hnl", q, kk) * scale
-    pos = np.arange(length - n, length)  # each row's own position
-    rel = np.arange(length)[None, :] - pos[:, None]  # [n, L]: t - p
+    if soft_cap:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    rel = (k_start + np.arange(length))[None, :] - q_pos[:, None]  # [n, L]: t - p
     if alibi_slopes is not None:
         logits = logits + np.asarray(alibi_slopes, dtype=np.float64)[:, None, None] * rel[None]
-    logits = np.where(rel[None] <= 0, logits, -np.inf)
-    logits -= logits.max(axis=2, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=2, keepdims=True)
-    return np.einsum("hnl,lhd->nhd", p, vv)
+    visible = rel <= 0
+    if sliding_window > 0:
+        visible &= rel > -sliding_window
+    logits = np.where(visible[None], logits, -np.inf)
+    top = logits.max(axis=2, keepdims=True)  # [H, n, 1]
+    sink = None
+    if sinks is not None:
+        sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[:, None, None], top.shape)
+        with np.errstate(invalid="ignore"):
+            # NaN sinks stay out of the max; a row without a finite logit stays NaN
+            top = np.where(np.isfinite(top) & (sink > top), sink, top)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(logits - top)
+        den = p.sum(axis=2, keepdims=True)
+        if sink is not None:
+            extra = np.where(sink == -np.inf, 0.0, np.exp(sink - top))
+            extra = np.where(np.isposinf(sink), np.inf, extra)  # +inf takes all the weight
+            den = den + extra
+        out = np.einsum("hnl,lhd->nhd", p / den, vv)
+    return out
+
+
+def dense_attention(
+    q: Any,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    alibi_slopes: Optional[Any] = None,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Optional[Any] = None,
+    k_start: int = 0,
+) -> np.ndarray:
+    """Single-token attention: q [H, D], k / v [L, K, D] -> [H, D], float64. The keys sit
+    at positions k_start .. k_start + L - 1 and the query at the last of them."""
+    q = np.asarray(q).astype(np.float64)
+    length = k_start + k.shape[0]
+    return _attend(
+        q[None], k, v, np.array([length - 1]), k_start, scale, alibi_slopes, sliding_window, soft_cap, sinks
+    )[0]
+
+
+def causal_attention(
+    q: Any,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    alibi_slopes: Optional[Any] = None,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Optional[Any] = None,
+    k_start: int = 0,
+) -> np.ndarray:
+    """The last n tokens of a sequence attending causally: q [n, H, D], k / v [L, K, D]
+    (n <= L) -> [n, H, D], float64. The keys sit at positions k_start .. k_start + L - 1;
+    row j at position k_start + L - n + j sees keys max(0, p - sliding_window + 1) .. p."""
+    q = np.asarray(q).astype(np.float64)
+    n = q.shape[0]
+    length = k_start + k.shape[0]
+    q_pos = np.arange(length - n, length)
+    return _attend(q, k, v, q_pos, k_start, scale, alibi_slopes, sliding_window, soft_cap, sinks)
 
 
 def paged_attention_ref(
@@ -146,30 +201,34 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     query_start_loc: Optional[Any] = None,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Optional[Any] = None,
 ) -> np.ndarray:
     """float64 reference of :func:`pagedattn.paged_attention`: [S, H, D], or [T, H, D]
-    with ``query_start_loc`` (each sequence's rows are its last tokens, causal)."""
+    with ``query_start_loc`` (each sequence's rows are its last tokens, causal).
+
+    Variants: ``sliding_window`` (tokens, 0 = off), ``soft_cap`` (0 = off), ``sinks``
+    (float [H]). Keys before a sequence's window are never read (their blocks may hold
+    anything, or be released: -1 in the table)."""
     query = np.asarray(query).astype(np.float64)
     s, h, d = query.shape
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     out = np.zeros((s, h, d))
-    if query_start_loc is not None:
-        qsl = np.asarray(query_start_loc).astype(np.int64)
-        for i in range(len(qsl) - 1):
-            lo, hi, length = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
-            k, v = gather_kv(
-                key_cache, value_cache, block_tables[i], length,
-                kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
-            out[lo:hi] = causal_attention(query[lo:hi], k, v, scale, alibi_slopes)
-        return out
-    for i in range(s):
+    variants = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    rows = (
+        [(int(a), int(b)) for a, b in zip(np.asarray(query_start_loc)[:-1], np.asarray(query_start_loc)[1:])]
+        if query_start_loc is not None
+        else [(i, i + 1) for i in range(s)]
+    )
+    for i, (lo, hi) in enumerate(rows):
         length = int(seq_lens[i])
+        start = _window_start(sliding_window, length - (hi - lo))
         k, v = gather_kv(
             key_cache, value_cache, block_tables[i], length,
-            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, start=start,
         )  # fmt: skip
-        out[i] = dense_attention(query[i], k, v, scale, alibi_slopes)
+        out[lo:hi] = causal_attention(query[lo:hi], k, v, scale, alibi_slopes, k_start=start, **variants)
     return out
 
 

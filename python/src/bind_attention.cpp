@@ -36,7 +36,9 @@ int convert_decode(CallArrays& a, nb::handle query, nb::handle key_cache, nb::ha
   const int alibi = a.add_optional(kw.alibi_slopes, "alibi_slopes");
   const int ws = a.add_optional(kw.workspace, "workspace", /*written=*/true);
   const int qsl = a.add_optional(kw.query_start_loc, "query_start_loc");
+  const int sinks = a.add_optional(kw.sinks, "sinks");
   if (alibi >= 0) kw.options.alibi_slopes = a[alibi];
+  if (sinks >= 0) kw.options.sinks = a[sinks];
   if (ws >= 0) kw.options.workspace = a[ws];
   if (qsl >= 0) kw.options.query_start_loc = a[qsl];
   kw.options.stream = a.stream(kw.stream, kQuery);
@@ -387,9 +389,12 @@ void bind_attention(nb::module_& m) {
     d["cuda_block_sizes"] = bs;
     d["cpu_max_head_size"] = supported::kCpuMaxHeadSize;
     d["cpu_max_block_size"] = supported::kCpuMaxBlockSize;
+    nb::list variants;
+    for (const char* v : supported::kVariants) variants.append(v);
+    d["variants"] = nb::tuple(variants);
     return d;
-  }, "The supported dtypes, kv-cache dtypes, layouts, kernels, head sizes and block sizes (read from the one list in "
-     "supported.hpp).");
+  }, "The supported dtypes, kv-cache dtypes, layouts, kernels, attention variants, head sizes and block sizes "
+     "(read from the one list in supported.hpp).");
 }
 
 }  // namespace pagedattn::py

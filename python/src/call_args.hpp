@@ -24,7 +24,7 @@ namespace nb = nanobind;
 // (with a strong reference to every Python object, so the arrays outlive every run).
 class CallArrays {
  public:
-  static constexpr int kMax = 8;
+  static constexpr int kMax = 12;  // a decode call: 5 arrays, 5 optional ones, its output
   CallArrays() = default;
   CallArrays(const CallArrays&) = delete;
   CallArrays& operator=(const CallArrays&) = delete;

@@ -92,6 +92,15 @@ const Keyword kKeywords[] = {
      [](CallKeywords& k, nb::handle v, const char* n) {
        k.options.max_query_len = v.is_none() ? std::nullopt : std::optional<int>(int_arg(v, n));
      }},
+    {"sliding_window", kDecode, "int", "0",
+     "tokens (0 = off): the query at position p attends to keys max(0, p - W + 1) .. p; earlier blocks are not read",
+     [](CallKeywords& k, nb::handle v, const char* n) { k.options.sliding_window = int_arg(v, n); }},
+    {"soft_cap", kDecode, "float", "0.0",
+     "logit soft-capping (0 = off): logit = soft_cap * tanh(scale * q.k / soft_cap), before ALiBi",
+     [](CallKeywords& k, nb::handle v, const char* n) { k.options.soft_cap = as_float(v, n); }},
+    {"sinks", kDecodeCall, "Any", "None",
+     "float32 [H] attention sinks: exp(sinks[h]) joins head h's softmax denominator (-inf: none)",
+     [](CallKeywords& k, nb::handle v, const char*) { k.sinks = v; }},
     {"stream", kDecodeCall | kCacheWrite, "Any", "None",
      "CUDA stream: an int handle or an object with __cuda_stream__ (default: the arrays' framework's current one)",
      [](CallKeywords& k, nb::handle v, const char*) { k.stream = v; }},

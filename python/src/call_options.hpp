@@ -27,7 +27,7 @@ struct CallKeywords {
   AttentionOptions options;
   // Array and stream keywords: converted by the caller (call_args.hpp), None when absent.
   nb::handle out = nb::none(), alibi_slopes = nb::none(), workspace = nb::none(), stream = nb::none(),
-             query_start_loc = nb::none();
+             query_start_loc = nb::none(), sinks = nb::none();
 };
 
 // Reads the keywords of a call of `fn` (a function of `set`) into `out`; an unknown or

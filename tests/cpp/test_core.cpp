@@ -67,23 +67,27 @@ struct Problem {
   TensorView btv() { return make_view(bt.data(), DType::kInt32, {S, M}); }
   TensorView lv() { return make_view(lens.data(), DType::kInt32, {S}); }
 
-  double ref(int s, int h, int d) const {
+  // With the variants: a sliding window (0 = off), a soft cap (0 = off), a sink (-inf = none).
+  double ref(int s, int h, int d, int window = 0, double cap = 0.0,
+             double sink = -std::numeric_limits<double>::infinity()) const {
     const int L = lens[static_cast<size_t>(s)];
     if (L == 0) return 0.0;
     const int kh = h / (H / K);
+    const int t0 = window > 0 ? std::max(0, L - window) : 0;
     std::vector<double> logit(static_cast<size_t>(L));
-    double mx = -1e300;
-    for (int t = 0; t < L; ++t) {
+    double mx = sink;
+    for (int t = t0; t < L; ++t) {
       const int blk = bt[static_cast<size_t>(s * M + t / B)];
       double acc = 0;
       for (int e = 0; e < D; ++e)
         acc += static_cast<double>(q[static_cast<size_t>((s * H + h) * D + e)]) *
                kc[static_cast<size_t>(((blk * B + t % B) * K + kh) * D + e)];
       logit[static_cast<size_t>(t)] = acc / std::sqrt(static_cast<double>(D));
+      if (cap > 0) logit[static_cast<size_t>(t)] = cap * std::tanh(logit[static_cast<size_t>(t)] / cap);
       mx = std::max(mx, logit[static_cast<size_t>(t)]);
     }
-    double sum = 0, o = 0;
-    for (int t = 0; t < L; ++t) {
+    double sum = std::exp(sink - mx), o = 0;
+    for (int t = t0; t < L; ++t) {
       const int blk = bt[static_cast<size_t>(s * M + t / B)];
       const double p = std::exp(logit[static_cast<size_t>(t)] - mx);
       sum += p;
@@ -134,6 +138,50 @@ PA_TEST(cpu_decode_matches_double_reference) {
         if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
           PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
       }
+}
+
+PA_TEST(cpu_decode_variants_match_double_reference) {
+  Problem p;
+  // Sequence 2 (13 tokens) in a window of 6 sees tokens 7..12: its first block (tokens
+  // 0..3) is released (-1) and tokens 4..6 of its second block are NaN.
+  const int window = 6;
+  p.bt[static_cast<size_t>(2 * p.M)] = -1;
+  for (int t = 4; t < 7; ++t)
+    for (int h = 0; h < p.K; ++h)
+      for (int d = 0; d < p.D; ++d) {
+        const int blk = p.bt[static_cast<size_t>(2 * p.M + 1)];
+        const size_t i = static_cast<size_t>(((blk * p.B + t % p.B) * p.K + h) * p.D + d);
+        p.kc[i] = p.vc[i] = std::numeric_limits<float>::quiet_NaN();
+      }
+  std::vector<float> sinks = {0.5f, -1.0f, -std::numeric_limits<float>::infinity(), 3.0f};
+  AttentionOptions opt;
+  opt.sliding_window = window;
+  opt.soft_cap = 1.5f;
+  opt.sinks = make_view(sinks.data(), DType::kFloat32, {p.H});
+  paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), opt);
+  for (int s = 0; s < p.S; ++s)
+    for (int h = 0; h < p.H; ++h)
+      for (int d = 0; d < p.D; ++d) {
+        const double got = p.out[static_cast<size_t>((s * p.H + h) * p.D + d)];
+        const double want = p.ref(s, h, d, window, 1.5, sinks[static_cast<size_t>(h)]);
+        if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+          PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
+      }
+  // without the window the released block is read: an error naming it
+  AttentionOptions plain;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), plain), OutOfRange);
+  AttentionOptions bad;
+  bad.sliding_window = -3;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+  bad = {};
+  bad.soft_cap = std::numeric_limits<float>::quiet_NaN();
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+  bad = {};
+  std::vector<double> sinks64(static_cast<size_t>(p.H));
+  bad.sinks = make_view(sinks64.data(), DType::kFloat64, {p.H});
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), TypeMismatch);
+  bad.sinks = make_view(sinks.data(), DType::kFloat32, {p.H - 1});
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
 }
 
 PA_TEST(validation_errors_are_typed) {

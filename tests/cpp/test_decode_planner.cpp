@@ -206,3 +206,30 @@ PA_TEST(plan_model_charges_rounds_and_the_reduce) {
   // a lone CTA is limited to its own pull rate, not the device's bandwidth
   PA_CHECK(m.us(1, 26.0e3 * 10.0, false) > 10.0);
 }
+
+PA_TEST(sliding_window_plans_for_the_window_not_the_context) {
+  // A 4096-token window over 32k contexts: the CTAs stream at most W + 15 tokens from the
+  // window's chunk-aligned start, so the plan is that of a W + 16 token context.
+  for (int S : {1, 8, 64}) {
+    DecodeShape windowed = shape(S, 32, 8, 128, 32768);
+    windowed.sliding_window = 4096;
+    const DecodeShape ctx = shape(S, 32, 8, 128, 4096 + 16);
+    const DecodePlan a = make_plan(windowed, kTensorCore, {kSms, kH100Bw});
+    const DecodePlan b = make_plan(ctx, kTensorCore, {kSms, kH100Bw});
+    PA_CHECK_EQ(a.num_partitions, b.num_partitions);
+    PA_CHECK_EQ(a.partition_size, b.partition_size);
+    PA_CHECK_EQ(a.workspace_bytes(), b.workspace_bytes());
+    PA_CHECK(static_cast<std::int64_t>(a.num_partitions) * a.partition_size >= 4096 + 15);
+  }
+  // a window wider than the context changes nothing; forced single pass covers the window
+  DecodeShape wide = shape(4, 32, 8, 128, 2048);
+  const DecodePlan plain = make_plan(wide, kTensorCore, {kSms, kH100Bw});
+  wide.sliding_window = 2147483647;
+  PA_CHECK_EQ(make_plan(wide, kTensorCore, {kSms, kH100Bw}).partition_size, plain.partition_size);
+  DecodeShape single = shape(4, 32, 8, 128, 32768);
+  single.sliding_window = 1000;
+  single.kernel = pagedattn::DecodeKernel::kSinglePass;
+  const DecodePlan sp = make_plan(single, kTensorCore, {kSms, kH100Bw});
+  PA_CHECK_EQ(sp.num_partitions, 1);
+  PA_CHECK_EQ(sp.partition_size, 1024);  // 1000 + 16 rounded up to chunks
+}

@@ -53,6 +53,20 @@ struct AttentionOptions {
   // sequence (correct, more idle CTAs). max_query_len = 1 with T = S runs the decode kernels. A sequence with
   // more rows is an error (raised on the host and by checked calls; NaN rows otherwise).
   std::optional<int> max_query_len;
+  // Attention variants; each costs nothing when off.
+  // Sliding window of W tokens (0 = off): the query at position p attends to key
+  // positions max(0, p - W + 1) .. p only; blocks wholly outside every query's window
+  // are never read (their block-table entries may be anything, e.g. released: -1).
+  int sliding_window = 0;
+  // Logit soft-capping (0 = off): logit = soft_cap * tanh(scale * q.k / soft_cap), then
+  // ALiBi's bias is added. Finite and >= 0.
+  float soft_cap = 0.0f;
+  // Attention sinks: float32 [H], on the query's device. exp(sinks[h]) joins the softmax
+  // denominator of head h (in the units of the logits; a sink carries no value):
+  //   out = sum_t exp(l_t) v_t / (sum_t exp(l_t) + exp(sinks[h])).
+  // -inf is no sink, +inf gives zeros, NaN gives NaN rows (the contents are not checked).
+  // A row without a finite logit (non-finite inputs) is NaN with or without a sink.
+  std::optional<TensorView> sinks;
 };
 
 // out[s, h, :] = softmax(scale * q[s, h] . K[s, kv(h)] + alibi) @ V[s, kv(h)]
@@ -71,6 +85,12 @@ struct AttentionOptions {
 // aligned bottom-right), all read from the paged cache (write the new tokens' keys and
 // values with reshape_and_cache first). q_i may be 0; q_i > seq_lens[i] is an error.
 // ALiBi adds slope[h] * (t - p). With every q_i = 1 the numbers equal the decode form's.
+//
+// Variants (AttentionOptions): sliding_window, soft_cap and sinks apply to both forms.
+// With sliding_window = W the decode query sits at p = seq_len - 1; the blocks before the
+// block of key position max(0, p_first - W + 1) (p_first: a sequence's first query row)
+// are not read, so their block_tables entries are not checked either. A sequence of
+// length 0 still yields zeros (the sink has nothing to weigh against).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, const AttentionOptions& options = {});

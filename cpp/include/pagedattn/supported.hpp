@@ -33,6 +33,10 @@ inline constexpr int kCudaMaxHeadSize = 256;
 // CUDA: block sizes with a specialised kernel; others are refused with a clear error.
 inline constexpr std::array<int, 3> kCudaBlockSizes = {8, 16, 32};
 
+// Attention variants: options of AttentionOptions (and keywords of the Python calls),
+// on every backend, in the decode and varlen forms, alone or combined.
+inline constexpr std::array<const char*, 3> kVariants = {"sliding_window", "soft_cap", "sinks"};
+
 bool is_dtype(DType t) noexcept;
 bool is_cuda_head_size(int head_size) noexcept;   // specialised or generic
 bool is_cuda_block_size(int block_size) noexcept;

@@ -236,8 +236,42 @@ class DecodeProblem:
         return [self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens]
 
     def reference(self) -> np.ndarray:
-        kw = {k: self.kw[k] for k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in self.kw}
+        kw = {k: self.kw[k] for k in REF_KEYS if k in self.kw}
         return reference.paged_attention_ref(*self.args(), **kw)
+
+
+# The keywords of a call that the float64 reference takes too.
+REF_KEYS = ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale", "sliding_window", "soft_cap", "sinks")
+
+
+def _draw_variants(d: Draw, H: int, B: int, nan_sinks: bool) -> dict:
+    """Random attention variants with extreme values: windows of one token, around the
+    block size, past every context and INT_MAX; caps from tiny to huge; sinks with
+    -inf (none), +inf (all the weight), huge values and, when allowed, NaN."""
+    kw: dict = {}
+    if d.bool(0.5):
+        kw["sliding_window"] = d.choice([1, 2, B - 1 or 1, B, B + 1, 3 * B, d.int(1, 5 * B), 2**31 - 1])
+    if d.bool(0.4):
+        kw["soft_cap"] = d.choice([1e-30, 1e-3, 0.5, 5.0, 50.0, 1e30, 0.0])
+    if d.bool(0.4):
+        sinks = d.rng().standard_normal(H).astype(np.float32) * d.choice([1.0, 10.0])
+        specials = [-np.inf, np.inf, 1e30, -1e30] + ([np.nan] if nan_sinks else [])
+        for _ in range(d.int(0, 2)):
+            if H:
+                sinks[d.int(0, H - 1)] = d.choice(specials)
+        kw["sinks"] = sinks
+    return kw
+
+
+def _reached_blocks(p: DecodeProblem) -> list:
+    """(sequence, block index) of every block a decode reads: a window's earlier blocks are not."""
+    w = int(p.kw.get("sliding_window", 0))
+    out = []
+    for i in range(p.query.shape[0]):
+        n = int(p.seq_lens[i])
+        first = max(0, n - w) // p.block_size if w else 0
+        out += [(i, b) for b in range(first, -(-n // p.block_size))]
+    return out
 
 
 def _seq_len(d: Draw, B: int) -> int:
@@ -254,7 +288,7 @@ def _draw_cache_kind(d: Draw) -> tuple:
     return rng, dtype, kv, layout, cache_dt, 16 // cache_dt.itemsize
 
 
-def make_decode_problem(d: Draw) -> DecodeProblem:
+def make_decode_problem(d: Draw, variants: bool = False, nan_sinks: bool = True) -> DecodeProblem:
     rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
     big = d.bool(0.05)  # the CPU limits on head size and block size
     K = d.int(1, 3)
@@ -332,7 +366,11 @@ def make_decode_problem(d: Draw) -> DecodeProblem:
     if d.bool(0.2):  # CUDA-only options are accepted and ignored on the CPU
         kw.update(kernel=d.choice(["auto", "single_pass", "partitioned"]), partition_size=d.choice([0, 256, 512]),
                   check_block_tables=d.bool())  # fmt: skip
-    return DecodeProblem(q, kc, vc, tables, np.asarray(lens, np.int32), kw, dtype, B, N)
+    nonfinite = False
+    if variants and d.bool(0.4):
+        kw.update(_draw_variants(d, H, B, nan_sinks))
+        nonfinite = "sinks" in kw and bool(np.isnan(kw["sinks"]).any())
+    return DecodeProblem(q, kc, vc, tables, np.asarray(lens, np.int32), kw, dtype, B, N, nonfinite)
 
 
 def _inject_nonfinite(d: Draw, p: DecodeProblem) -> bool:
@@ -449,6 +487,19 @@ def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
     m.append(("alibi float64", setkw(alibi_slopes=np.ones(H, np.float64)), (TypeError,), None))
     m.append(("alibi 2-D", setkw(alibi_slopes=np.ones((H, 1), np.float32)), (ValueError,), None))
     m.append(("scale nan", setkw(scale=float("nan")), (ValueError,), None))
+    m.append(("sliding_window negative", setkw(sliding_window=d.choice([-1, -(2**31)])), (ValueError,), None))
+    m.append(("sliding_window huge", setkw(sliding_window=d.choice([2**31, 2**63, -(2**63) - 1])), (ValueError,), None))
+    m.append(("sliding_window float", setkw(sliding_window=d.choice([1.5, "8", None])), (TypeError,), None))
+    m.append(("soft_cap bad", setkw(soft_cap=d.choice([-1.0, -1e-30, float("nan"), float("inf"), -float("inf"), 1e39])),
+              (ValueError,), None))  # fmt: skip
+    m.append(("soft_cap str", setkw(soft_cap=d.choice(["1", None])), (TypeError,), None))
+    m.append(("sinks length", setkw(sinks=np.zeros(H + d.choice([1, -1]) if H else 1, np.float32)), (ValueError,),
+              None))  # fmt: skip
+    m.append(("sinks float64", setkw(sinks=np.zeros(H, d.choice([np.float64, np.float16, np.int32]))), (TypeError,),
+              None))  # fmt: skip
+    m.append(("sinks 2-D", setkw(sinks=np.zeros((H, 1), np.float32)), (ValueError,), None))
+    if H > 1:
+        m.append(("sinks strided", setkw(sinks=np.zeros(2 * H, np.float32)[::2]), (ValueError,), None))
     m.append(("scale inf", setkw(scale=d.choice([float("inf"), -float("inf"), 1e39])), (ValueError,), None))
     m.append(("scale str", setkw(scale="0.1"), (TypeError,), None))
     m.append(("kv_cache_dtype unknown", setkw(kv_cache_dtype=d.choice(["int4", "fp8_e3m4", "", "FP8"])),
@@ -469,7 +520,7 @@ def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
     m.append(("stream str", setkw(stream="default"), (TypeError,), None))
     m.append(("stream negative", setkw(stream=-1), (TypeError,), None))
     # Index contents (the CPU reads them before any work).
-    reached = [(i, b) for i in range(S) for b in range(-(-int(sl[i]) // B))]
+    reached = _reached_blocks(p)
     if reached:
         i, b = d.choice(reached)
         bad = d.choice([-1, p.num_blocks, p.num_blocks + 7, 2**31 - 1, -(2**31)])
@@ -515,7 +566,7 @@ def _decode_mutations(d: Draw, p: DecodeProblem) -> list:
 
 
 def fuzz_paged_attention(d: Draw) -> Outcome:
-    p = make_decode_problem(d)
+    p = make_decode_problem(d, variants=True)
     mode = d.choice(["valid", "valid", "nonfinite", "invalid", "invalid", "invalid"])
     args, kw = p.args(), dict(p.kw)
     if mode == "invalid":
@@ -533,7 +584,7 @@ def fuzz_paged_attention(d: Draw) -> Outcome:
                     _fail(label, "a call that raised changed a cache")
         o.target = "paged_attention"
         return o
-    nonfinite = mode == "nonfinite" and _inject_nonfinite(d, p)
+    nonfinite = (mode == "nonfinite" and _inject_nonfinite(d, p)) or p.nonfinite
     args, kw = p.args(), dict(p.kw)
     label = f"paged_attention: {mode} S={p.query.shape[0]} dtype={p.dtype.name} {kw.get('kv_cache_dtype', 'auto')}"
     omode = d.choice(["new", "new", "given", "inplace", "strided", "reversed"])
@@ -551,7 +602,7 @@ def fuzz_paged_attention(d: Draw) -> Outcome:
         if omode != "inplace"
         else reference.paged_attention_ref(
             *args,
-            **{k: v for k, v in kw.items() if k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale")},
+            **{k: v for k, v in kw.items() if k in REF_KEYS},
         )
     )
     out = _call_valid(label, lambda: pagedattn.paged_attention(*args, **kw))
@@ -565,7 +616,7 @@ def fuzz_paged_attention(d: Draw) -> Outcome:
 
 def fuzz_prepare_decode(d: Draw) -> Outcome:
     """Validate once, run many times; index contents changed in place are re-checked."""
-    p = make_decode_problem(d)
+    p = make_decode_problem(d, variants=True)
     label = f"prepare_decode S={p.query.shape[0]}"
     if d.bool(0.25):
         # The caller drops every array right after preparing: the prepared call must own
@@ -578,7 +629,7 @@ def fuzz_prepare_decode(d: Draw) -> Outcome:
         for _ in range(d.int(1, 3)):
             gc.collect()
             junk = [np.full(a.shape, np.nan, a.dtype) for a in p.args()]  # reuses freed memory
-            _check_close(label, _call_valid(label, run), ref, p.dtype)
+            _check_close(label, _call_valid(label, run), ref, p.dtype, p.nonfinite)
             del junk
         return Outcome("prepare_decode", "ok", "outliving")
     prepared = _call_valid(label, lambda: pagedattn.prepare_decode(*p.args(), **p.kw))
@@ -586,7 +637,7 @@ def fuzz_prepare_decode(d: Draw) -> Outcome:
         S = p.query.shape[0]
         p.query[...] = d.rng().standard_normal(p.query.shape).astype(p.dtype)
         action = d.choice(["run", "bad block", "bad len"]) if S else "run"
-        reached = [(i, b) for i in range(S) for b in range(-(-int(p.seq_lens[i]) // p.block_size))]
+        reached = _reached_blocks(p)
         if action == "bad block" and reached:
             i, b = d.choice(reached)
             old = p.block_tables[i, b]
@@ -600,7 +651,7 @@ def fuzz_prepare_decode(d: Draw) -> Outcome:
             _expect_error(f"{label}: in-place bad length", prepared.run, (IndexError,))
             p.seq_lens[i] = old
         out = _call_valid(label, prepared.run)
-        _check_close(label, out, p.reference(), p.dtype)
+        _check_close(label, out, p.reference(), p.dtype, p.nonfinite)
     return Outcome("prepare_decode", "ok", "valid")
 
 
@@ -945,7 +996,8 @@ def fuzz_decode_workspace_size(d: Draw) -> Outcome:
     dtype = d.choice(["float16", "bfloat16", "float32", "float64", "nope"])
     kw = dict(kv_cache_dtype=d.choice(["auto", "fp8", "x"]), layout=d.choice(["vllm", "nhd", "x"]),
               kernel=d.choice(["auto", "single_pass", "partitioned", "v5"]),
-              partition_size=d.choice([0, 512, -1]))  # fmt: skip
+              partition_size=d.choice([0, 512, -1]), sliding_window=d.choice([0, 4096, 2**31 - 1, -1]),
+              soft_cap=d.choice([0.0, 30.0, 1e-30, -1.0, float("nan")]))  # fmt: skip
     label = f"decode_workspace_size({args}, {dtype}, {kw})"
     try:
         r = pagedattn.decode_workspace_size(*args, dtype, **kw)
@@ -1645,8 +1697,8 @@ def fuzz_extreme_ints(d: Draw) -> Outcome:
         return Outcome("extreme_ints", "error", label)
     except Exception as e:  # noqa: BLE001
         _fail(label, f"raised {type(e).__name__}: {e}")
-    _check_close(label, out, reference.paged_attention_ref(*args, **{k: kw[k] for k in (
-        "scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in kw}), p.dtype)  # fmt: skip
+    _check_close(label, out, reference.paged_attention_ref(*args, **{k: kw[k] for k in REF_KEYS if k in kw}),
+                 p.dtype)  # fmt: skip
     return Outcome("extreme_ints", "ok", label)
 
 
@@ -1850,7 +1902,7 @@ def fuzz_command_line(d: Draw) -> Outcome:
 def make_varlen_problem(d: Draw) -> tuple:
     """A decode problem turned varlen: q_i in [0, seq_len] rows per sequence (0, 1, all or
     any), a [T, H, D] query and its query_start_loc. Returns (problem, qsl)."""
-    p = make_decode_problem(d)
+    p = make_decode_problem(d, variants=True, nan_sinks=False)
     lens = p.seq_lens.tolist()
     q_lens = [d.choice([0, 1, n, d.int(0, n)]) if n else 0 for n in lens]
     qsl = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)]).astype(np.int32)
@@ -1865,7 +1917,7 @@ def make_varlen_problem(d: Draw) -> tuple:
 
 
 def _varlen_ref(p: DecodeProblem, qsl: np.ndarray, args: Optional[list] = None) -> np.ndarray:
-    kw = {k: p.kw[k] for k in ("scale", "alibi_slopes", "kv_cache_dtype", "k_scale", "v_scale") if k in p.kw}
+    kw = {k: p.kw[k] for k in REF_KEYS if k in p.kw}
     return reference.paged_attention_ref(*(args or p.args()), query_start_loc=qsl, **kw)
 
 
