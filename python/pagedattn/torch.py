@@ -64,6 +64,9 @@ ATTENTION_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("check_block_tables", "bool", False),
     ("query_start_loc", "Tensor?", None),
     ("max_query_len", "int?", None),
+    ("sliding_window", "int", 0),
+    ("soft_cap", "float", 0.0),
+    ("sinks", "Tensor?", None),
 )
 # Operator arguments named differently from the plain call's keyword: Inductor's lowering of
 # an operator passes its arguments next to its own `kernel` parameter, so no argument may be
@@ -191,6 +194,7 @@ def _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, 
     _check_devices(
         op, query.device, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
         seq_lens=seq_lens, alibi_slopes=options.get("alibi_slopes"), query_start_loc=qsl,
+        sinks=options.get("sinks"),
     )  # fmt: skip
     _expect(query.dim() == 3, op, f"query: expected [S, H, D] (or [T, H, D]), got shape {_shape(query)}")
     _expect(key_cache.dim() in (4, 5), op, f"key_cache: expected 4 or 5 dimensions, got shape {_shape(key_cache)}")

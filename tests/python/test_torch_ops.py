@@ -108,6 +108,9 @@ def _opcheck_cases(rng, device):
         ("decode", ops.paged_attention.default, args, {}),
         ("options", ops.paged_attention.default, args, {"scale": 0.3, "alibi_slopes": torch.rand(h, device=device)}),
         ("varlen", ops.paged_attention.default, vargs, {"query_start_loc": qsl, "max_query_len": mql}),
+        ("variants", ops.paged_attention.default, vargs,
+         {"query_start_loc": qsl, "max_query_len": mql, "sliding_window": 3, "soft_cap": 5.0,
+          "sinks": torch.rand(h, device=device)}),
         ("out", ops.paged_attention.out, args, {"out": torch.empty_like(q)}),
         ("out_varlen", ops.paged_attention.out, vargs,
          {"out": torch.empty_like(vargs[0]), "query_start_loc": qsl, "max_query_len": mql}),
@@ -154,6 +157,16 @@ def test_results_match_the_plain_calls_and_the_reference(rng, device):
     vref = paged_attention_ref(vargs[0].cpu().numpy(), *vp.args()[1:], query_start_loc=qsl.cpu().numpy())
     np.testing.assert_allclose(out.cpu().double().numpy(), vref, *TOL["float32"])
     assert torch.equal(out, ops.paged_attention(*vargs, query_start_loc=qsl, max_query_len=mql))
+    # the attention variants reach the kernels through the operators' option schema
+    h = vargs[0].shape[1]
+    sinks = torch.rand(h, device=device)
+    variants = dict(query_start_loc=qsl, max_query_len=mql, sliding_window=3, soft_cap=5.0, sinks=sinks)
+    got = ops.paged_attention(*vargs, **variants)
+    assert torch.equal(got, pagedattn.paged_attention(*vargs, **variants))
+    vref = paged_attention_ref(vargs[0].cpu().numpy(), *vp.args()[1:], query_start_loc=qsl.cpu().numpy(),
+                               sliding_window=3, soft_cap=5.0, sinks=sinks.cpu().numpy())  # fmt: skip
+    np.testing.assert_allclose(got.cpu().double().numpy(), vref, *TOL["float32"])
+    assert not np.allclose(got.cpu().double().numpy(), out.cpu().double().numpy(), atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
