@@ -80,12 +80,15 @@ def paged_attention(
     kernel: str = "auto",
     partition_size: int = 0,
     check_block_tables: bool = False,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    sinks: Any = None,
 ) -> jax.Array:
     """Paged attention over a paged KV cache; returns a new array like the query.
 
     The arguments and options are those of :func:`pagedattn.paged_attention` (shapes,
     layouts, the varlen form with ``query_start_loc`` and ``max_query_len``, ALiBi, fp8
-    caches), without ``out``, ``workspace`` and ``stream``: XLA allocates the output and
+    caches, ``sliding_window``, ``soft_cap`` and ``sinks``), without ``out``, ``workspace`` and ``stream``: XLA allocates the output and
     gives the stream. An fp8 cache is a uint8 array, or a float8_e4m3fn / float8_e5m2
     array with the matching ``kv_cache_dtype``. Options must be static Python values.
     """
@@ -96,6 +99,8 @@ def paged_attention(
         "kernel": str(kernel),
         "partition_size": np.int64(partition_size),
         "check_block_tables": bool(check_block_tables),
+        "sliding_window": np.int64(sliding_window),
+        "soft_cap": np.float32(soft_cap),
     }
     if scale is not None:
         attrs["scale"] = np.float32(scale)
@@ -103,7 +108,7 @@ def paged_attention(
         attrs["max_query_len"] = np.int64(max_query_len)
     # Arrays the call may go without follow the five it always has, named in order by the
     # attribute "operands" (XLA has no optional operands).
-    optional = {"alibi_slopes": alibi_slopes, "query_start_loc": query_start_loc}
+    optional = {"alibi_slopes": alibi_slopes, "query_start_loc": query_start_loc, "sinks": sinks}
     names = [name for name, a in optional.items() if a is not None]
     if names:
         attrs["operands"] = ",".join(names)

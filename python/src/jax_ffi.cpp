@@ -144,7 +144,7 @@ int int_attr(const Attrs& a, std::string_view name) {
 }
 
 // One attention option from the attribute `name`; false when no option has that name.
-// The optional arrays (alibi_slopes, query_start_loc) are operands, named by the
+// The optional arrays (alibi_slopes, query_start_loc, sinks) are operands, named by the
 // attribute "operands" (see paged_attention_impl).
 bool read_option(const Attrs& a, std::string_view name, AttentionOptions& o) {
   if (name == "scale") o.scale = a.get<float>(name);
@@ -155,6 +155,8 @@ bool read_option(const Attrs& a, std::string_view name, AttentionOptions& o) {
   else if (name == "partition_size") o.partition_size = int_attr(a, name);
   else if (name == "max_query_len") o.max_query_len = int_attr(a, name);
   else if (name == "check_block_tables") o.check_block_tables = a.get<bool>(name);
+  else if (name == "sliding_window") o.sliding_window = int_attr(a, name);
+  else if (name == "soft_cap") o.soft_cap = a.get<float>(name);
   else if (name == "operands") {}  // read by the caller
   else return false;
   return true;
@@ -184,7 +186,7 @@ ffi::Error to_ffi_error(const char* call) {
 
 // paged_attention: operands query, key_cache, value_cache, block_tables, seq_lens, then
 // the optional arrays listed in the attribute "operands" ("alibi_slopes",
-// "query_start_loc", comma-separated, in operand order); result out (like the query).
+// "query_start_loc", "sinks", comma-separated, in operand order); result out (like the query).
 ffi::Error paged_attention_impl(const Place& at, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
                                 ffi::AnyBuffer value_cache, ffi::AnyBuffer block_tables, ffi::AnyBuffer seq_lens,
                                 ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
@@ -210,6 +212,7 @@ ffi::Error paged_attention_impl(const Place& at, ffi::AnyBuffer query, ffi::AnyB
                               optional.size(), " optional operand(s)");
       if (name == "alibi_slopes") o.alibi_slopes = view(*buf, "alibi_slopes", at);
       else if (name == "query_start_loc") o.query_start_loc = view(*buf, "query_start_loc", at);
+      else if (name == "sinks") o.sinks = view(*buf, "sinks", at);
       else fail<InvalidArgument>("unknown optional operand '", name, "'");
     }
     if (index != optional.size())

@@ -371,6 +371,32 @@ def test_alibi_scale_and_kernel_under_jit(pj, device, rng, kernel):
 
 
 @needs_handlers
+def test_variants_under_jit(pj, device, rng):
+    """sliding_window, soft_cap and sinks reach the kernels, in decode and varlen calls."""
+    seq_lens = np.array([5, 40, 1, 23], np.int32)
+    q_lens = np.array([2, 6, 1, 1], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    p = make_problem(rng, seq_lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=8)
+    query = rng.standard_normal((int(qsl[-1]), 4, 64)).astype(np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    opts = dict(sliding_window=7, soft_cap=4.0)
+    for q, loc in ((p.query, None), (query, qsl)):
+        ref = paged_attention_ref(q, p.key_cache, p.value_cache, p.block_tables, seq_lens, query_start_loc=loc,
+                                  sinks=sinks, **opts)  # fmt: skip
+        plain = paged_attention_ref(q, p.key_cache, p.value_cache, p.block_tables, seq_lens, query_start_loc=loc)
+        args = _put(device, q, p.key_cache, p.value_cache, p.block_tables, seq_lens, sinks, qsl)
+        varlen = loc is not None
+
+        def attend(q, kc, vc, bt, sl, sk, qs, varlen=varlen):
+            extra = dict(query_start_loc=qs, max_query_len=6) if varlen else {}
+            return pj.paged_attention(q, kc, vc, bt, sl, sinks=sk, **opts, **extra)
+
+        out = _np(jax.jit(attend)(*args))
+        assert_close(out, ref, np.float32)
+        assert not np.allclose(out, plain, atol=1e-3)  # the variants changed the result
+
+
+@needs_handlers
 def test_fp8_caches_typed_or_uint8(pj, device, rng):
     """An fp8 cache may be a uint8 array or a float8 array of the same bytes: both give the
     eager call's bytes and output."""
@@ -475,7 +501,7 @@ def test_attributes_are_checked_by_name_and_type(pj, rng):
         call(*args, sclae=np.float32(0.5)).block_until_ready()
     with pytest.raises(Exception, match=r"TypeError: paged_attention: attribute 'k_scale' has the wrong type"):
         call(*args, k_scale=np.float64(0.5)).block_until_ready()
-    with pytest.raises(Exception, match=r"paged_attention: unknown optional operand 'sinks'"):
-        call(*args, args[4], operands="sinks").block_until_ready()
+    with pytest.raises(Exception, match=r"paged_attention: unknown optional operand 'bias'"):
+        call(*args, args[4], operands="bias").block_until_ready()
     with pytest.raises(Exception, match=r"2 optional operand\(s\) given, 1 named"):
         call(*args, args[4], args[4], operands="alibi_slopes").block_until_ready()
