@@ -16,5 +16,6 @@ bool set_python_error(const std::exception_ptr& p, bool all);         // errors.
 void bind_attention(nanobind::module_& m);      // bind_attention.cpp
 void bind_block_manager(nanobind::module_& m);  // bind_block_manager.cpp
 void bind_cache_ops(nanobind::module_& m);      // bind_cache_ops.cpp (copy_blocks, swap_blocks)
+void bind_fp8(nanobind::module_& m);            // bind_fp8.cpp (quantize_fp8, dequantize_fp8)
 
 }  // namespace pagedattn::py

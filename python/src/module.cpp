@@ -15,4 +15,5 @@ NB_MODULE(_core, m) {
   pagedattn::py::bind_attention(m);
   pagedattn::py::bind_block_manager(m);
   pagedattn::py::bind_cache_ops(m);
+  pagedattn::py::bind_fp8(m);
 }
