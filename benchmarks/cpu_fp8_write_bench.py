@@ -10,6 +10,7 @@ measures the scalar encoder, PAGEDATTN_NUM_THREADS the thread count.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -61,16 +62,18 @@ def main() -> None:
                 ks, vs = pagedattn.kv_cache_shape(nblocks, b, k, d, cdt, layout)
                 kc, vc = np.zeros(ks, cdt), np.zeros(vs, cdt)
                 kw = {} if kind == "auto" else dict(kv_cache_dtype=kind, k_scale=0.5, v_scale=0.25)
-                s = best_seconds(lambda: pagedattn.reshape_and_cache(key, value, kc, vc, slots, **kw), a.repeat)
+                s = best_seconds(
+                    functools.partial(pagedattn.reshape_and_cache, key, value, kc, vc, slots, **kw), a.repeat
+                )
                 rows.append(dict(op="reshape_and_cache", dtype=str(dt), layout=layout, cache=kind,
                                  melem_per_s=elements / s / 1e6, us=s * 1e6))  # fmt: skip
         if hasattr(pagedattn, "quantize_fp8"):
             codes = np.zeros(key.shape, np.uint8)
-            s = best_seconds(lambda: pagedattn.quantize_fp8(key, codes, scale=0.5), a.repeat)
+            s = best_seconds(functools.partial(pagedattn.quantize_fp8, key, codes, scale=0.5), a.repeat)
             rows.append(dict(op="quantize_fp8", dtype=str(dt), layout="-", cache="fp8_e4m3",
                              melem_per_s=key.size / s / 1e6, us=s * 1e6))  # fmt: skip
             back = np.zeros(key.shape, dt)
-            s = best_seconds(lambda: pagedattn.dequantize_fp8(codes, back, scale=0.5), a.repeat)
+            s = best_seconds(functools.partial(pagedattn.dequantize_fp8, codes, back, scale=0.5), a.repeat)
             rows.append(dict(op="dequantize_fp8", dtype=str(dt), layout="-", cache="fp8_e4m3",
                              melem_per_s=key.size / s / 1e6, us=s * 1e6))  # fmt: skip
     isa = os.environ.get("PAGEDATTN_CPU_ISA", "default")

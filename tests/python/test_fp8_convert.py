@@ -11,10 +11,10 @@ import textwrap
 
 import numpy as np
 import pytest
+from fp8_reference import FORMATS, KINDS, encode_exact, round_exact
 
 import pagedattn
 from conftest import BF16, DTYPE_NAMES
-from fp8_reference import FORMATS, KINDS, encode_exact, round_exact
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 ML = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
@@ -47,7 +47,7 @@ def odd_values(rng, n) -> np.ndarray:
     signs, and the special values."""
     mags = rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n).astype(np.float64))
     special = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 448.0, 464.0, 480.0, 57344.0, 61440.0, 1e30, -1e30,
-               2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-16, 2.0**-17, 3 * 2.0**-18, 2.0**-6, 2.0**-14]
+               2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-16, 2.0**-17, 3 * 2.0**-18, 2.0**-6, 2.0**-14]  # fmt: skip
     return np.concatenate([mags, special])
 
 
