@@ -23,18 +23,29 @@
 namespace pagedattn::cpu {
 namespace {
 
-float load_one(const void* src, DType dtype, std::int64_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(src)[i];
-    case DType::kFloat16: return numeric::half_to_float(static_cast<const std::uint16_t*>(src)[i]);
-    case DType::kBFloat16: return numeric::bf16_to_float(static_cast<const std::uint16_t*>(src)[i]);
-    default: fail<NotSupported>("fp8 encode: unsupported source dtype ", dtype_name(dtype));
-  }
+// Element i of a float32 / float16 / bfloat16 array, as float.
+template <DType D>
+float load_one(const void* src, std::int64_t i) {
+  if constexpr (D == DType::kFloat32) return static_cast<const float*>(src)[i];
+  else if constexpr (D == DType::kFloat16) return numeric::half_to_float(static_cast<const std::uint16_t*>(src)[i]);
+  else return numeric::bf16_to_float(static_cast<const std::uint16_t*>(src)[i]);
 }
 
+template <DType D>
+void quantize_range(const void* src, float scale, const fp8::Format& f, std::int64_t i0, std::int64_t n,
+                    std::uint8_t* dst) {
+  for (std::int64_t i = i0; i < n; ++i) dst[i] = fp8::encode(load_one<D>(src, i), scale, f);
+}
+
+// Elements [i0, n) one at a time (fp8_codec.hpp's function itself).
 void quantize_generic(const void* src, DType dtype, float scale, const fp8::Format& f, std::int64_t i0,
                       std::int64_t n, std::uint8_t* dst) {
-  for (std::int64_t i = i0; i < n; ++i) dst[i] = fp8::encode(load_one(src, dtype, i), scale, f);
+  switch (dtype) {
+    case DType::kFloat32: return quantize_range<DType::kFloat32>(src, scale, f, i0, n, dst);
+    case DType::kFloat16: return quantize_range<DType::kFloat16>(src, scale, f, i0, n, dst);
+    case DType::kBFloat16: return quantize_range<DType::kBFloat16>(src, scale, f, i0, n, dst);
+    default: fail<NotSupported>("fp8 encode: unsupported source dtype ", dtype_name(dtype));
+  }
 }
 
 #ifdef PAGEDATTN_FP8_X86
