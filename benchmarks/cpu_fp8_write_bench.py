@@ -56,7 +56,7 @@ def main() -> None:
     for dt in dtypes:
         key = rng.standard_normal((t, k, d)).astype(dt)
         value = rng.standard_normal((t, k, d)).astype(dt)
-        for layout in ("vllm", "nhd"):
+        for layout in pagedattn.supported()["layouts"]:
             for kind in ("auto", "fp8_e4m3", "fp8_e5m2"):
                 cdt = dt if kind == "auto" else np.dtype(np.uint8)
                 ks, vs = pagedattn.kv_cache_shape(nblocks, b, k, d, cdt, layout)
