@@ -7,13 +7,14 @@
 // NaN (sign kept: e4m3 0x7f, e5m2 0x7e, the quiet NaN). Decoding gives code * s, rounded
 // once to the output type.
 //
-// Why the quotient is computed in double: v and s are float32 (24-bit significands V and
-// S) and an fp8 midpoint m has a 5-bit significand M. When v / s != m, |v - m s| is at
-// least one unit of v's or of m s's last place, so |v / s - m| >= m / (V M) > m 2^-29:
-// a float32 quotient (half an ulp is 2^-24 relative) can land on m and turn a value
-// just below a midpoint into a tie, but a double quotient (2^-53) cannot. The double
-// quotient is thus on the same side of every midpoint as the exact one and equals a
-// midpoint only when the exact one does; rounding it once more to fp8 is exact.
+// Why the quotient is computed in double: write v = V 2^a and s = S 2^b (float32: V, S
+// below 2^24) and an fp8 midpoint m = M 2^c (M below 2^5). When v / s != m, v - m s is
+// a nonzero multiple of 2^min(a, b + c), which puts v / s at least m / (S M) (or, with
+// v / s near m, m / (2 V)) away from m: more than m 2^-29. A float32 quotient (rounding
+// error up to m 2^-24) can land on m and turn a value just beside a midpoint into a tie
+// (1.1875 + 2^-23 over 1 + 2^-23 does, for e4m3); a double quotient (m 2^-53) cannot. It
+// is on the same side of every midpoint as the exact quotient and equals a midpoint only
+// when that does, so rounding it once more, to fp8, gives the exact quotient's rounding.
 #pragma once
 
 #include <cstdint>
