@@ -23,13 +23,13 @@ struct CacheWriteKernelParams {
   bool slot_int64;
   int num_kv_heads, head_size, block_size, x;
   std::int64_t num_blocks;
-  float inv_k_scale, inv_v_scale;  // fp8: stored = real * (1 / scale)
+  float k_scale, v_scale;  // fp8: stored = fp8(real / scale)
 };
 
 template <class T, class CT, KVCacheDType F>
-__device__ __forceinline__ CT encode(float v, float inv_scale) {
+__device__ __forceinline__ CT encode(float v, float scale) {
   if constexpr (F == KVCacheDType::kAuto) return from_float<CT>(v);
-  else return float_to_fp8<F>(v * inv_scale);
+  else return encode_fp8<F>(v, scale);
 }
 
 // One CTA per token; threads walk (head, dim) of key and value.
@@ -56,8 +56,8 @@ __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKerne
     } else {
       ki = vi = ((blk * B + off) * K + h) * static_cast<std::int64_t>(D) + d;
     }
-    static_cast<CT*>(p.key_cache)[ki] = encode<T, CT, F>(kv, p.inv_k_scale);
-    static_cast<CT*>(p.value_cache)[vi] = encode<T, CT, F>(vv, p.inv_v_scale);
+    static_cast<CT*>(p.key_cache)[ki] = encode<T, CT, F>(kv, p.k_scale);
+    static_cast<CT*>(p.value_cache)[vi] = encode<T, CT, F>(vv, p.v_scale);
   }
 }
 
@@ -151,8 +151,8 @@ void reshape_and_cache(const CacheWriteParams& p, void* stream_handle) {
   k.block_size = p.block_size;
   k.x = static_cast<int>(supported::kCacheChunkBytes / cache_elem_size(p.dtype, p.kv_cache_dtype));
   k.num_blocks = p.num_blocks;
-  k.inv_k_scale = 1.0f / p.k_scale;
-  k.inv_v_scale = 1.0f / p.v_scale;
+  k.k_scale = p.k_scale;
+  k.v_scale = p.v_scale;
   const void* fn = nullptr;
   switch (p.dtype) {
     case DType::kFloat32: fn = pick_cache_kernel<float>(p.kv_cache_dtype, p.layout); break;

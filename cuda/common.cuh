@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "fp8_codec.hpp"
 #include "pagedattn/errors.hpp"
 #include "params.hpp"
 
@@ -108,11 +109,11 @@ __device__ __forceinline__ std::uint32_t fp8x2_to(std::uint32_t v) {
   }
 }
 
-// float -> fp8 byte, round to nearest even, saturating to the largest finite value.
+// The stored fp8 byte of v / scale: the exact quotient rounded to nearest even,
+// saturating, NaN kept (fp8_codec.hpp, the definition the CPU backend shares).
 template <KVCacheDType F>
-__device__ __forceinline__ std::uint8_t float_to_fp8(float v) {
-  return static_cast<std::uint8_t>(
-      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == KVCacheDType::kFp8E4M3 ? __NV_E4M3 : __NV_E5M2));
+__device__ __forceinline__ std::uint8_t encode_fp8(float v, float scale) {
+  return fp8::encode(v, scale, fp8::format_of(F));
 }
 
 // ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 #include "cpu_backend.hpp"
 #include "cpu_elements.hpp"
+#include "cpu_fp8.hpp"
 #include "pagedattn/errors.hpp"
 #include "thread_pool.hpp"
 
@@ -27,9 +28,7 @@ void reshape_and_cache(const CacheWriteParams& p) {
                        p.num_blocks * B, ") (it changed while the call ran)");
     const std::int64_t block = slot / B;
     const int off = static_cast<int>(slot % B);
-    thread_local std::vector<float> row;
     thread_local std::vector<unsigned char> packed;
-    row.resize(static_cast<std::size_t>(D));
     packed.resize(static_cast<std::size_t>(D) * static_cast<std::size_t>(ce));
     for (int h = 0; h < K; ++h) {
       for (int which = 0; which < 2; ++which) {
@@ -42,8 +41,7 @@ void reshape_and_cache(const CacheWriteParams& p) {
         // Convert the row once into the cache's element type (a no-op copy when equal).
         const void* packed_row = src;
         if (fp8) {
-          load_row(src, p.dtype, KVCacheDType::kAuto, 1.0f, D, row.data());
-          store_row(row.data(), p.dtype, p.kv_cache_dtype, is_value ? p.v_scale : p.k_scale, D, packed.data());
+          quantize_fp8_span(src, p.dtype, is_value ? p.v_scale : p.k_scale, p.kv_cache_dtype, D, packed.data());
           packed_row = packed.data();
         }
         const auto* pr = static_cast<const char*>(packed_row);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cpu_fp8.hpp"
 #include "numeric.hpp"
 #include "params.hpp"
 
@@ -41,13 +42,11 @@ inline void load_row(const void* src, DType dtype, KVCacheDType kv, float scale,
   }
 }
 
-// Writes n floats from src into dst in the given storage type (fp8: divided by scale).
+// Writes n floats from src into dst in the given storage type (fp8: fp8(src / scale),
+// fp8_codec.hpp).
 inline void store_row(const float* src, DType dtype, KVCacheDType kv, float scale, int n, void* dst) {
   if (kv == KVCacheDType::kFp8E4M3 || kv == KVCacheDType::kFp8E5M2) {
-    const numeric::Fp8Format& f = kv == KVCacheDType::kFp8E4M3 ? numeric::kE4M3 : numeric::kE5M2;
-    auto* d = static_cast<std::uint8_t*>(dst);
-    const float inv = 1.0f / scale;
-    for (int i = 0; i < n; ++i) d[i] = numeric::float_to_fp8(src[i] * inv, f);
+    quantize_fp8_span(src, DType::kFloat32, scale, kv, n, static_cast<std::uint8_t*>(dst));
     return;
   }
   switch (dtype) {

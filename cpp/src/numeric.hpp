@@ -1,11 +1,14 @@
 // Scalar conversions between float32 and the storage types the CPU backend reads and
-// writes: float16, bfloat16 and the two fp8 formats. All rounding is to nearest even;
-// fp8 conversions saturate finite overflow (and infinity) to the largest finite value.
+// writes: float16, bfloat16 and the two fp8 formats (fp8_codec.hpp). All rounding is to
+// nearest even; fp8 conversions saturate finite overflow (and infinity) to the largest
+// finite value.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "fp8_codec.hpp"
 
 namespace pagedattn::numeric {
 
@@ -61,57 +64,8 @@ inline std::uint16_t float_to_half(float f) {
 }
 
 // --- fp8 ------------------------------------------------------------------------------
-// e4m3 ("fn" variant): bias 7, no infinities, 0x7f/0xff are NaN, largest finite 448.
-// e5m2: bias 15, IEEE-like with infinities, largest finite 57344.
-struct Fp8Format {
-  int mant_bits;
-  int bias;
-  float max_finite;
-  std::uint8_t max_code;  // encoding of +max_finite
-  std::uint8_t nan_code;
-};
-inline constexpr Fp8Format kE4M3{3, 7, 448.0f, 0x7e, 0x7f};
-inline constexpr Fp8Format kE5M2{2, 15, 57344.0f, 0x7b, 0x7f};
-
-inline float fp8_to_float_slow(std::uint8_t v, const Fp8Format& f) {
-  const bool neg = v & 0x80u;
-  const int exp_bits = 7 - f.mant_bits;
-  const int e = (v >> f.mant_bits) & ((1 << exp_bits) - 1);
-  const int m = v & ((1 << f.mant_bits) - 1);
-  float r;
-  if (f.bias == 7 && (v & 0x7fu) == 0x7fu) {
-    r = NAN;
-  } else if (f.bias == 15 && e == 31) {
-    r = m ? NAN : INFINITY;
-  } else if (e == 0) {
-    r = std::ldexp(static_cast<float>(m), 1 - f.bias - f.mant_bits);
-  } else {
-    r = std::ldexp(static_cast<float>(m + (1 << f.mant_bits)), e - f.bias - f.mant_bits);
-  }
-  return neg ? -r : r;
-}
-
-inline std::uint8_t float_to_fp8(float x, const Fp8Format& f) {
-  const std::uint8_t sign = (float_bits(x) >> 24) & 0x80u;
-  if (std::isnan(x)) return static_cast<std::uint8_t>(sign | f.nan_code);
-  const float a = std::fabs(x);
-  if (a >= f.max_finite) return static_cast<std::uint8_t>(sign | f.max_code);
-  if (a == 0.0f) return sign;
-  int e2 = 0;
-  std::frexp(a, &e2);
-  int ue = e2 - 1;  // a = 1.m * 2^ue
-  const int emin = 1 - f.bias;
-  if (ue < emin) ue = emin;
-  auto mi = static_cast<std::uint32_t>(std::nearbyint(std::ldexp(a, f.mant_bits - ue)));
-  const std::uint32_t implicit = 1u << f.mant_bits;
-  if (mi >= 2 * implicit) {  // rounded up into the next binade
-    ++ue;
-    mi >>= 1;
-  }
-  if (mi < implicit) return static_cast<std::uint8_t>(sign | mi);  // subnormal
-  const std::uint32_t code = (static_cast<std::uint32_t>(ue + f.bias) << f.mant_bits) | (mi - implicit);
-  return static_cast<std::uint8_t>(sign | (code > f.max_code ? f.max_code : code));
-}
+// The formats and their rounding are defined once, in fp8_codec.hpp (shared with the
+// CUDA kernels); the decode tables below are built from it.
 
 // 256-entry decode tables (built once).
 const float* fp8_e4m3_table();

@@ -29,6 +29,7 @@ BlockPairs = Union[Sequence[Sequence[int]], Sequence[tuple[int, int]], SupportsD
 # A CUDA stream: an int cudaStream_t handle or an object with __cuda_stream__ (torch, CuPy, ...).
 Stream = Optional[object]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+FP8DType = Literal["fp8", "fp8_e4m3", "fp8_e5m2"]
 Kernel = Literal["auto", "single_pass", "partitioned"]
 Layout = Literal["vllm", "nhd"]
 
@@ -240,6 +241,16 @@ def copy_blocks(
 
 def swap_blocks(src: SupportsDLPack, dst: SupportsDLPack, block_mapping: BlockPairs, *, stream: Stream = None) -> None:
     """dst[d] = src[s] for every (s, d) pair: GPU <-> pinned host, or host <-> host."""
+
+def quantize_fp8(
+    src: SupportsDLPack, dst: _Out, *, scale: float = 1.0, fp8_dtype: FP8DType = "fp8_e4m3", stream: Stream = None
+) -> _Out:
+    """dst (uint8) = fp8(src / scale), rounded to nearest even, saturating; returns dst."""
+
+def dequantize_fp8(
+    src: SupportsDLPack, dst: _Out, *, scale: float = 1.0, fp8_dtype: FP8DType = "fp8_e4m3", stream: Stream = None
+) -> _Out:
+    """dst (float32 / float16 / bfloat16) = fp8 value of src (uint8 codes) * scale; returns dst."""
 
 class StepMetadata:
     """What one BlockManager.step hands the forward pass (arrays passed in as out= are returned as given)."""

@@ -17,5 +17,6 @@ void bind_attention(nanobind::module_& m);      // bind_attention.cpp
 void bind_block_manager(nanobind::module_& m);  // bind_block_manager.cpp
 void bind_cache_ops(nanobind::module_& m);      // bind_cache_ops.cpp (copy_blocks, swap_blocks)
 void bind_jax_ffi(nanobind::module_& m);        // jax_ffi.cpp (XLA FFI handlers for pagedattn.jax)
+void bind_fp8(nanobind::module_& m);            // bind_fp8.cpp (quantize_fp8, dequantize_fp8)
 
 }  // namespace pagedattn::py

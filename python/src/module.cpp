@@ -16,4 +16,5 @@ NB_MODULE(_core, m) {
   pagedattn::py::bind_block_manager(m);
   pagedattn::py::bind_cache_ops(m);
   pagedattn::py::bind_jax_ffi(m);
+  pagedattn::py::bind_fp8(m);
 }
