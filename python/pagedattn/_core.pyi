@@ -30,7 +30,7 @@ BlockPairs = Union[Sequence[Sequence[int]], Sequence[tuple[int, int]], SupportsD
 Stream = Optional[object]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Kernel = Literal["auto", "single_pass", "partitioned"]
-Layout = Literal["vllm", "nhd"]
+Layout = Literal["vllm", "nhd", "hnd"]
 
 __version__: str
 with_cuda: bool
@@ -83,6 +83,7 @@ def paged_attention(
     check_block_tables: bool = False,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> _Array:
     """Paged attention over the KV cache; returns a new array of the query's type, dtype and device.
@@ -111,6 +112,7 @@ def paged_attention(
     check_block_tables: bool = False,
     query_start_loc: Optional[SupportsDLPack] = None,
     max_query_len: Optional[int] = None,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> _Out:
     """Paged attention over the KV cache, written into `out` (like the query); returns `out`."""
@@ -138,6 +140,7 @@ class PreparedDecode(Generic[_Array]):
         check_block_tables: bool = False,
         query_start_loc: Optional[SupportsDLPack] = None,
         max_query_len: Optional[int] = None,
+        layout: Optional[Layout] = None,
         stream: Stream = None,
     ) -> None: ...
     def run(self, stream: Stream = None) -> _Array: ...
@@ -155,6 +158,7 @@ def reshape_and_cache(
     kv_cache_dtype: KVCacheDType = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> None:
     """Writes key / value [T, K, D] into the cache slots of slot_mapping (int32 / int64 [T]), in place."""

@@ -63,27 +63,45 @@ def gather_kv(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layout: Optional[str] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Dense float64 keys and values [seq_len, K, D] of one sequence."""
+    """Dense float64 keys and values [seq_len, K, D] of one sequence.
+
+    The caches may be views with any block stride (NumPy indexes them as they are).
+    ``layout`` None: "vllm" for a rank-5 key cache, "nhd" for a rank-4 one."""
     key_cache = np.asarray(key_cache)
     value_cache = np.asarray(value_cache)
-    if key_cache.ndim == 5:  # vllm: key [N, K, D/x, B, x], value [N, K, D, B]
+    layout = _layout(key_cache, layout)
+    if layout == "vllm":  # key [N, K, D/x, B, x], value [N, K, D, B]
         _, kh, dx, bs, x = key_cache.shape
         d = dx * x
-    else:  # nhd: [N, B, K, D]
+    elif layout == "nhd":  # [N, B, K, D]
         _, bs, kh, d = key_cache.shape
+    else:  # hnd: [N, K, B, D]
+        _, kh, bs, d = key_cache.shape
     n_blocks = -(-seq_len // bs)
     blocks = np.asarray(block_table)[:n_blocks].astype(np.int64)
     kc = _to_f64(key_cache[blocks], kv_cache_dtype, k_scale)
     vc = _to_f64(value_cache[blocks], kv_cache_dtype, v_scale)
-    if key_cache.ndim == 5:
+    if layout == "vllm":
         # [n, K, D/x, B, x] -> [n, B, K, D/x, x] -> [n*B, K, D]
         k = kc.transpose(0, 3, 1, 2, 4).reshape(n_blocks * bs, kh, d)
         v = vc.transpose(0, 3, 1, 2).reshape(n_blocks * bs, kh, d)
+    elif layout == "hnd":  # [n, K, B, D] -> [n, B, K, D]
+        k = kc.transpose(0, 2, 1, 3).reshape(n_blocks * bs, kh, d)
+        v = vc.transpose(0, 2, 1, 3).reshape(n_blocks * bs, kh, d)
     else:
         k = kc.reshape(n_blocks * bs, kh, d)
         v = vc.reshape(n_blocks * bs, kh, d)
     return k[:seq_len], v[:seq_len]
+
+
+def _layout(key_cache: np.ndarray, layout: Optional[str]) -> str:
+    if layout is None:
+        return "vllm" if key_cache.ndim == 5 else "nhd"
+    if layout not in ("vllm", "nhd", "hnd"):
+        raise ValueError(f"layout: got {layout!r}, expected 'vllm', 'nhd' or 'hnd'")
+    return layout
 
 
 def dense_attention(
@@ -146,9 +164,11 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     query_start_loc: Optional[Any] = None,
+    layout: Optional[str] = None,
 ) -> np.ndarray:
     """float64 reference of :func:`pagedattn.paged_attention`: [S, H, D], or [T, H, D]
     with ``query_start_loc`` (each sequence's rows are its last tokens, causal)."""
+    kv = {"kv_cache_dtype": kv_cache_dtype, "k_scale": k_scale, "v_scale": v_scale, "layout": layout}
     query = np.asarray(query).astype(np.float64)
     s, h, d = query.shape
     scale = 1.0 / np.sqrt(d) if scale is None else scale
@@ -157,30 +177,31 @@ def paged_attention_ref(
         qsl = np.asarray(query_start_loc).astype(np.int64)
         for i in range(len(qsl) - 1):
             lo, hi, length = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
-            k, v = gather_kv(
-                key_cache, value_cache, block_tables[i], length,
-                kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
+            k, v = gather_kv(key_cache, value_cache, block_tables[i], length, **kv)
             out[lo:hi] = causal_attention(query[lo:hi], k, v, scale, alibi_slopes)
         return out
     for i in range(s):
         length = int(seq_lens[i])
-        k, v = gather_kv(
-            key_cache, value_cache, block_tables[i], length,
-            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], length, **kv)
         out[i] = dense_attention(query[i], k, v, scale, alibi_slopes)
     return out
 
 
-def reshape_and_cache_ref(key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any):
-    """In-place NumPy version of :func:`pagedattn.reshape_and_cache` (kv_cache_dtype "auto")."""
+def reshape_and_cache_ref(key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any,
+                          layout: Optional[str] = None):  # fmt: skip
+    """In-place NumPy version of :func:`pagedattn.reshape_and_cache` (kv_cache_dtype "auto");
+    the caches may be strided views."""
     key = np.asarray(key)
     value = np.asarray(value)
+    layout = _layout(key_cache, layout)
     for t, slot in enumerate(np.asarray(slot_mapping).tolist()):
         if slot < 0:
             continue
-        if key_cache.ndim == 5:
+        if layout == "hnd":
+            b, off = divmod(slot, key_cache.shape[2])
+            key_cache[b, :, off] = key[t]
+            value_cache[b, :, off] = value[t]
+        elif layout == "vllm":
             _, _, dx, bs, x = key_cache.shape
             b, off = divmod(slot, bs)
             key_cache[b, :, :, off, :] = key[t].reshape(key.shape[1], dx, x)

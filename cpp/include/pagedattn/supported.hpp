@@ -16,6 +16,9 @@ inline constexpr std::array<DType, 3> kDTypes = {DType::kFloat32, DType::kFloat1
 inline constexpr std::array<KVCacheDType, 3> kKVCacheDTypes = {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3,
                                                                KVCacheDType::kFp8E5M2};
 
+// Cache layouts (see CacheLayout), in every op and on every backend.
+inline constexpr std::array<CacheLayout, 3> kLayouts = {CacheLayout::kVLLM, CacheLayout::kNHD, CacheLayout::kHND};
+
 // CPU: any head size and block size the layout allows, up to these bounds.
 inline constexpr int kCpuMaxHeadSize = 1024;
 inline constexpr int kCpuMaxBlockSize = 1024;
@@ -40,6 +43,7 @@ bool is_cuda_block_size(int block_size) noexcept;
 std::string dtypes_str();
 std::string cuda_head_sizes_str();
 std::string cuda_block_sizes_str();
+std::string layouts_str();  // "\"vllm\", \"nhd\", \"hnd\""
 
 }  // namespace supported
 }  // namespace pagedattn
