@@ -33,8 +33,10 @@ inline constexpr int kCacheChunkBytes = 16;
 inline constexpr std::array<int, 7> kCudaHeadSizes = {64, 80, 96, 112, 128, 192, 256};
 inline constexpr int kCudaHeadSizeAlign = 8;
 inline constexpr int kCudaMaxHeadSize = 256;
-// CUDA: block sizes with a specialised kernel; others are refused with a clear error.
-inline constexpr std::array<int, 3> kCudaBlockSizes = {8, 16, 32};
+// CUDA: block (page) sizes, every power of two from 1 to 256; others are refused with a
+// clear error. The kernels take the size at run time (no instantiation per size): token
+// t's block is block_tables[t / B], its slot t % B.
+inline constexpr std::array<int, 9> kCudaBlockSizes = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 
 bool is_dtype(DType t) noexcept;
 bool is_cuda_head_size(int head_size) noexcept;   // specialised or generic
