@@ -218,8 +218,10 @@ struct KvHeadsHint {
 // and "nhd" for a rank-4 one, as before "hnd" existed. A rank-4 cache is "nhd"
 // [N, B, K, D] or "hnd" [N, K, B, D] and only the call can say which; without layout=
 // the "nhd" reading is taken, and refused when the other arguments rule it out while
-// the "hnd" reading fits them (a cache made for "hnd" passed without its layout).
-CacheLayout resolve_layout(const TensorView& key_cache, std::optional<CacheLayout> named, const KvHeadsHint& hint) {
+// the "hnd" reading fits them (a cache pair made for "hnd" passed without its layout:
+// value_cache of key_cache's shape; other value shapes get their own error).
+CacheLayout resolve_layout(const TensorView& key_cache, const TensorView& value_cache,
+                           std::optional<CacheLayout> named, const KvHeadsHint& hint) {
   if (named) {
     const CacheLayout l = *named;
     if (std::find(supported::kLayouts.begin(), supported::kLayouts.end(), l) == supported::kLayouts.end())
@@ -242,7 +244,9 @@ CacheLayout resolve_layout(const TensorView& key_cache, std::optional<CacheLayou
                           "layout=\"hnd\"), got ",
                           key_cache.ndim, " (shape ", key_cache.shape_str(), ")");
   const std::int64_t s1 = key_cache.size(1), s2 = key_cache.size(2);
-  if (!hint.fits(s2) && hint.fits(s1))
+  bool pair = value_cache.ndim == 4;
+  for (int d = 0; pair && d < 4; ++d) pair = value_cache.size(d) == key_cache.size(d);
+  if (pair && !hint.fits(s2) && hint.fits(s1))
     fail<InvalidArgument>(
         "key_cache: shape ", key_cache.shape_str(), " was given without layout=, so it is read as layout \"nhd\" "
         "[num_blocks, block_size, num_kv_heads, head_size], num_kv_heads = ", s2, ", which ",
@@ -267,7 +271,7 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
   }
   const std::int64_t x = supported::kCacheChunkBytes / static_cast<std::int64_t>(cache_elem_size(dtype, kv_dtype));
   CacheGeometry g{};
-  g.layout = resolve_layout(key_cache, named, hint);
+  g.layout = resolve_layout(key_cache, value_cache, named, hint);
   if (g.layout == CacheLayout::kVLLM) {
     check_ndim(value_cache, "value_cache", 4, "[num_blocks, num_kv_heads, head_size, block_size] (layout \"vllm\")");
     if (key_cache.size(4) != x)
@@ -358,13 +362,19 @@ void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace
   if (reinterpret_cast<std::uintptr_t>(p.value_cache) % kAlign != 0)
     fail<InvalidArgument>("value_cache: the CUDA kernels need its data to start on a ", kAlign,
                           "-byte boundary, got address ", p.value_cache);
+  // Blocks start where the kernels' vector loads may: on 16 bytes, or on 8 for token rows
+  // that are themselves only 8-byte multiples (fp8 nhd / hnd rows), as in a contiguous cache.
   const auto ce = static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype));
+  const std::int64_t block_align =
+      p.layout != CacheLayout::kVLLM && p.head_size * ce % static_cast<std::int64_t>(kAlign) != 0
+          ? 8
+          : static_cast<std::int64_t>(kAlign);
   const std::pair<const char*, std::int64_t> block_strides[] = {{"key_cache", p.k_block_stride},
                                                                 {"value_cache", p.v_block_stride}};
   for (const auto& [name, stride] : block_strides)
-    if (stride * ce % static_cast<std::int64_t>(kAlign) != 0)
-      fail<InvalidArgument>(name, ": the CUDA kernels need a block stride (dimension 0) that is a multiple of ", kAlign,
-                            " bytes, got ", stride, " elements of ", ce, " bytes");
+    if (stride * ce % block_align != 0)
+      fail<InvalidArgument>(name, ": the CUDA kernels need a block stride (dimension 0) that is a multiple of ",
+                            block_align, " bytes, got ", stride, " elements of ", ce, " bytes");
   constexpr int kMaxSeqs = 65535;  // the grid's z dimension
   if (p.num_seqs > kMaxSeqs)
     fail<NotSupported>("num_seqs: got ", p.num_seqs, ", the CUDA kernels take at most ", kMaxSeqs,

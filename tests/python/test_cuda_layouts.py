@@ -59,10 +59,13 @@ def gpu_caches(kc, vc, backing):
     return view_on_gpu(kc, backing, gb), view_on_gpu(vc, backing, gb), gb
 
 
-def check_cuda(query, kc, vc, tables, lens, kw, backing, dtype, **extra):
+def check_cuda(query, kc, vc, tables, lens, kw, backing, dtype, kernel="auto", **extra):
+    """paged_attention on the GPU views of the caches against the float64 reference and the
+    CPU path; `extra` holds array options (query_start_loc), given to all three."""
     kt, vt, _ = gpu_caches(kc, vc, backing)
     ex = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in extra.items()}
-    out = to_numpy(pagedattn.paged_attention(to_torch(query), kt, vt, to_torch(tables), to_torch(lens), **kw, **ex))
+    out = to_numpy(pagedattn.paged_attention(to_torch(query), kt, vt, to_torch(tables), to_torch(lens), kernel=kernel,
+                                             **kw, **ex))  # fmt: skip
     ref = paged_attention_ref(query, kc, vc, tables, lens, **kw, **extra)
     assert_close(out, ref, dtype, "cuda vs float64 reference")
     cpu = pagedattn.paged_attention(query, kc, vc, tables, lens, **kw, **extra)
