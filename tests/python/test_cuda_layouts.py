@@ -228,3 +228,12 @@ def test_every_cuda_page_size_decode_varlen_and_write(rng, layout, block_size):
     pagedattn.reshape_and_cache(key, key, ck, cv, slots, layout=layout)
     torch.cuda.synchronize()
     assert np.array_equal(to_numpy(gback[0]), cback[0], equal_nan=True)
+
+
+def test_hnd_plans_like_nhd():
+    # hnd runs in the nhd kernels with other row strides: the same grid at every page size.
+    for b in CUDA_BLOCK_SIZES:
+        args = (8, 32, 8, 128, b, -(-16384 // b), "bfloat16")
+        hnd = pagedattn.decode_plan(*args, layout="hnd", kernel="partitioned")
+        assert hnd == pagedattn.decode_plan(*args, layout="nhd", kernel="partitioned"), b
+        assert hnd["partition_size"] % 16 == 0 and hnd["num_partitions"] > 1
