@@ -15,6 +15,7 @@ relative to page size 16 of the same shape and layout (1.00 = as fast; the targe
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -96,13 +97,12 @@ def main() -> int:
                 if qsl is not None:
                     kw.update(query_start_loc=qsl, max_query_len=max(qn for _, qn in seqs))
                 out = torch.empty_like(q)
-                us = timed(lambda: pagedattn.paged_attention(q, kc, vc, bt, lens, out=out, **kw))
+                us = timed(functools.partial(pagedattn.paged_attention, q, kc, vc, bt, lens, out=out, **kw))
                 per_byte = us / kv_bytes
                 if page == 16:
                     base = per_byte
                 rows.append({"shape": name, "layout": layout, "page": page, "us": us, "kv_bytes": kv_bytes,
                              "us_per_byte": per_byte})  # fmt: skip
-                del q, kc, vc, bt, lens, qsl, out
             for r in rows:
                 if r["shape"] == name and r["layout"] == layout and base:
                     r["vs_page16"] = r["us_per_byte"] / base

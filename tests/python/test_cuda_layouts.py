@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_layouts import NAN_FP8, cache_pair, problem
 
 import pagedattn
 from conftest import ALL_LAYOUTS, BF16, CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, TOL, assert_close, np_dtype
 from pagedattn.reference import paged_attention_ref
-from test_layouts import NAN_FP8, cache_pair, problem
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available() or not pagedattn._core.with_cuda:

@@ -332,4 +332,3 @@ def test_key_and_value_blocks_sharing_memory_are_refused():
     # the interleaved halves themselves are separate memory
     pagedattn.reshape_and_cache(key, 2 * key, kc, buf[:, 1].reshape(5, 4, 2, 8), np.zeros(1, np.int32))
     assert np.array_equal(buf[0, 0, :8], np.ones(8)) and np.array_equal(buf[0, 1, :8], 2 * np.ones(8))
-
