@@ -113,7 +113,7 @@ DTYPES = [d for d in ("float32", "float16", "bfloat16") if np_dtype(d) is not No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
 def test_hnd_decode_matches_reference(rng, dtype, block_size):
     dt = np_dtype(dtype)
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 5 * block_size + 2]
