@@ -1,4 +1,4 @@
-// Cache-write and block-move kernels: reshape_and_cache (both layouts, fp8 with scale),
+// Cache-write and block-move kernels: reshape_and_cache (every layout, fp8 with scale),
 // copy_blocks (every array, every pair, one launch) and swap_blocks (async copies).
 // Each host launcher below is the only place that knows its kernel's grid.
 #include <algorithm>
@@ -17,8 +17,10 @@ struct CacheWriteKernelParams {
   std::int64_t k_stride_tok, k_stride_head;
   const void* value;  // [T, K, D]
   std::int64_t v_stride_tok, v_stride_head;
-  void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
-  void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D]
+  void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D] | hnd [N, K, B, D]
+  void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D] | hnd [N, K, B, D]
+  std::int64_t k_block_stride, v_block_stride;  // elements between blocks of each cache
+  std::int64_t tok_stride, head_stride;         // nhd / hnd: a row's offset in its block
   const void* slot_mapping;  // [T] int32 / int64
   bool slot_int64;
   int num_kv_heads, head_size, block_size, x;
@@ -44,17 +46,20 @@ __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKerne
   if (slot < 0 || slot >= p.num_blocks * p.block_size) return;
   const std::int64_t blk = slot / p.block_size;
   const int off = static_cast<int>(slot % p.block_size);
-  const int K = p.num_kv_heads, D = p.head_size, B = p.block_size;
+  const int K = p.num_kv_heads, D = p.head_size;
+  [[maybe_unused]] const int B = p.block_size;
   for (int i = threadIdx.x; i < K * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     const float kv = to_float(static_cast<const T*>(p.key)[t * p.k_stride_tok + h * p.k_stride_head + d]);
     const float vv = to_float(static_cast<const T*>(p.value)[t * p.v_stride_tok + h * p.v_stride_head + d]);
     std::int64_t ki, vi;
     if constexpr (L == CacheLayout::kVLLM) {
-      ki = (((blk * K + h) * (D / p.x) + d / p.x) * B + off) * p.x + d % p.x;
-      vi = ((blk * K + h) * D + d) * B + off;
-    } else {
-      ki = vi = ((blk * B + off) * K + h) * static_cast<std::int64_t>(D) + d;
+      ki = blk * p.k_block_stride + ((static_cast<std::int64_t>(h) * (D / p.x) + d / p.x) * B + off) * p.x + d % p.x;
+      vi = blk * p.v_block_stride + (static_cast<std::int64_t>(h) * D + d) * B + off;
+    } else {  // nhd / hnd
+      const std::int64_t row = off * p.tok_stride + h * p.head_stride + d;
+      ki = blk * p.k_block_stride + row;
+      vi = blk * p.v_block_stride + row;
     }
     static_cast<CT*>(p.key_cache)[ki] = encode<T, CT, F>(kv, p.k_scale);
     static_cast<CT*>(p.value_cache)[vi] = encode<T, CT, F>(vv, p.v_scale);
@@ -64,6 +69,7 @@ __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKerne
 template <class T, KVCacheDType F>
 const void* cache_kernel_for_layout(CacheLayout l) {
   if (l == CacheLayout::kVLLM) return reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, F, CacheLayout::kVLLM>);
+  // nhd and hnd: one kernel, rows at runtime strides
   return reinterpret_cast<const void*>(&reshape_and_cache_kernel<T, F, CacheLayout::kNHD>);
 }
 
@@ -83,17 +89,18 @@ const void* pick_cache_kernel(KVCacheDType kv, CacheLayout l) {
 // Kept under the classic 4 KB kernel-parameter limit; larger calls are split into a
 // few launches (arrays in groups of kMaxCopyArrays, host pairs in groups of
 // kMaxInlinePairs).
-constexpr int kMaxCopyArrays = 64;
+constexpr int kMaxCopyArrays = 48;
 constexpr int kMaxInlinePairs = 256;
 
 struct CopyBlocksKernelParams {
   char* arrays[kMaxCopyArrays];
-  std::int64_t block_bytes[kMaxCopyArrays];
+  std::int64_t block_bytes[kMaxCopyArrays];         // one block, contiguous
+  std::int64_t block_stride_bytes[kMaxCopyArrays];  // between block starts (>= block_bytes)
   std::int64_t num_blocks[kMaxCopyArrays];
   std::int32_t inline_pairs[kMaxInlinePairs][2];  // host mapping, copied with the launch
   const void* mapping;                            // device mapping [P, 2] or null
   bool mapping_int64;
-  bool vec16;  // every block and base 16-byte aligned
+  bool vec16;  // every block, block stride and base 16-byte aligned
 };
 static_assert(sizeof(CopyBlocksKernelParams) <= 4096, "kernel parameters over 4 KB");
 
@@ -116,9 +123,9 @@ __global__ void copy_blocks_kernel(const __grid_constant__ CopyBlocksKernelParam
   }
   const std::int64_t n = p.num_blocks[a];
   if (src < 0 || src >= n || dst < 0 || dst >= n) return;  // device mapping: skip bad pairs
-  const std::int64_t bytes = p.block_bytes[a];
-  const char* s = p.arrays[a] + src * bytes;
-  char* d = p.arrays[a] + dst * bytes;
+  const std::int64_t bytes = p.block_bytes[a], stride = p.block_stride_bytes[a];
+  const char* s = p.arrays[a] + src * stride;
+  char* d = p.arrays[a] + dst * stride;
   if (p.vec16) {
     const auto* s4 = reinterpret_cast<const uint4*>(s);
     auto* d4 = reinterpret_cast<uint4*>(d);
@@ -144,6 +151,11 @@ void reshape_and_cache(const CacheWriteParams& p, void* stream_handle) {
   k.v_stride_head = p.v_stride_head;
   k.key_cache = p.key_cache;
   k.value_cache = p.value_cache;
+  k.k_block_stride = p.k_block_stride;
+  k.v_block_stride = p.v_block_stride;
+  const RowStrides row_st = row_strides(p.layout, p.block_size, p.num_kv_heads, p.head_size);
+  k.tok_stride = row_st.token;
+  k.head_stride = row_st.head;
   k.slot_mapping = p.slot_mapping;
   k.slot_int64 = p.slot_mapping_int64;
   k.num_kv_heads = p.num_kv_heads;
@@ -185,8 +197,11 @@ void copy_blocks(const CopyBlocksParams& p, void* stream_handle) {
         const auto ai = static_cast<std::size_t>(a0 + i);
         k.arrays[i] = static_cast<char*>(p.arrays[ai]);
         k.block_bytes[i] = p.block_bytes[ai];
+        k.block_stride_bytes[i] = p.block_stride_bytes[ai];
         k.num_blocks[i] = p.num_blocks[ai];
-        if (k.block_bytes[i] % 16 != 0 || reinterpret_cast<std::uintptr_t>(k.arrays[i]) % 16 != 0) k.vec16 = false;
+        if (k.block_bytes[i] % 16 != 0 || k.block_stride_bytes[i] % 16 != 0 ||
+            reinterpret_cast<std::uintptr_t>(k.arrays[i]) % 16 != 0)
+          k.vec16 = false;
       }
       k.mapping_int64 = p.mapping_int64;
       if (p.mapping_on_host) {
@@ -223,10 +238,17 @@ void swap_blocks(const SwapBlocksParams& p, void* stream_handle) {
     // Merge a run of consecutive pairs (src, dst), (src+1, dst+1), ... into one copy.
     std::int64_t run = 1;
     while (i + run < p.num_pairs && at(i + run, 0) == at(i, 0) + run && at(i + run, 1) == at(i, 1) + run) ++run;
-    const char* s = static_cast<const char*>(p.src) + at(i, 0) * p.block_bytes;
-    char* d = static_cast<char*>(p.dst) + at(i, 1) * p.block_bytes;
-    check_cuda(cudaMemcpyAsync(d, s, static_cast<std::size_t>(run * p.block_bytes), cudaMemcpyDefault, stream),
-               "swap_blocks: cudaMemcpyAsync");
+    const char* s = static_cast<const char*>(p.src) + at(i, 0) * p.src_block_stride_bytes;
+    char* d = static_cast<char*>(p.dst) + at(i, 1) * p.dst_block_stride_bytes;
+    if (p.src_block_stride_bytes == p.block_bytes && p.dst_block_stride_bytes == p.block_bytes)
+      check_cuda(cudaMemcpyAsync(d, s, static_cast<std::size_t>(run * p.block_bytes), cudaMemcpyDefault, stream),
+                 "swap_blocks: cudaMemcpyAsync");
+    else  // block-strided views: `run` rows of block_bytes, each at its array's block stride
+      check_cuda(cudaMemcpy2DAsync(d, static_cast<std::size_t>(p.dst_block_stride_bytes), s,
+                                   static_cast<std::size_t>(p.src_block_stride_bytes),
+                                   static_cast<std::size_t>(p.block_bytes), static_cast<std::size_t>(run),
+                                   cudaMemcpyDefault, stream),
+                 "swap_blocks: cudaMemcpy2DAsync");
     i += run;
   }
 }

@@ -138,11 +138,23 @@ __device__ __forceinline__ CtaTask cta_task(const DecodeKernelParams& p, int til
   return t;
 }
 
-// The raw block ids of tokens t0 and t0 + 8 (one block when B >= 16), read without
-// knowing the sequence length: any column below M may be read; 0 past the table.
+// Block sizes below 8 put several blocks in 8 tokens of a 16-token chunk: the decode
+// kernels then keep in each lane the block id of the chunk's token t0 + (lane & 15) (the
+// lane's token) instead of the ids of tokens t0 and t0 + 8, and take a token's id from
+// its lane with a shuffle. Every page size is a power of two (supported::kCudaBlockSizes).
+__device__ __forceinline__ bool ids_per_token(int block_size) { return block_size < 8; }
+
+// The raw block ids of tokens t0 and t0 + 8 (one block when B >= 16), or with
+// ids_per_token(B) of the lane's token, read without knowing the sequence length: any
+// column below M may be read; 0 past the table.
 __device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, const CtaTask& t, int t0, int& a,
                                                 int& b) {
   const int B = p.block_size;
+  if (ids_per_token(B)) {
+    const int col = (t0 + static_cast<int>(threadIdx.x & 15)) / B;
+    a = b = col < p.max_blocks_per_seq ? ldg_now(t.table_row + col) : 0;
+    return;
+  }
   a = t0 / B < p.max_blocks_per_seq ? ldg_now(t.table_row + t0 / B) : 0;
   b = a;
   if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) b = ldg_now(t.table_row + (t0 + 8) / B);

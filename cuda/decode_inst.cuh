@@ -59,7 +59,10 @@ template <class Fn>
 DecodeKernelInfo dispatch_layout(CacheLayout l, Fn&& fn) {
   switch (l) {
     case CacheLayout::kVLLM: return fn(std::integral_constant<CacheLayout, CacheLayout::kVLLM>{});
-    case CacheLayout::kNHD: return fn(std::integral_constant<CacheLayout, CacheLayout::kNHD>{});
+    // hnd is nhd with other row strides (DecodeKernelParams::tok_stride / head_stride):
+    // the token-major kernels serve both, no instantiation of its own.
+    case CacheLayout::kNHD:
+    case CacheLayout::kHND: return fn(std::integral_constant<CacheLayout, CacheLayout::kNHD>{});
   }
   fail<InvalidArgument>("layout: unknown cache layout ", static_cast<int>(l));
 }

@@ -74,6 +74,11 @@ void paged_attention(const DecodeParams& p, void* stream_handle) {
   k.q_stride_head = p.q_stride_head;
   k.key_cache = p.key_cache;
   k.value_cache = p.value_cache;
+  k.k_block_stride = p.k_block_stride;
+  k.v_block_stride = p.v_block_stride;
+  const RowStrides row_st = row_strides(p.layout, p.block_size, p.num_kv_heads, p.head_size);
+  k.tok_stride = row_st.token;
+  k.head_stride = row_st.head;
   k.block_tables = p.block_tables;
   k.seq_lens = p.seq_lens;
   k.alibi_slopes = p.alibi_slopes;

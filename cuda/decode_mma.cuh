@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int D = HEAD ? HEAD : p.head_size;
-  const int B = p.block_size, K = p.num_kv_heads;
+  const int B = p.block_size;
 
   // The sequence length (issued by cta_task) and the block ids of the warp's first
   // kStages chunks are loaded together: the ids do not depend on the length, so a CTA
@@ -189,29 +189,54 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   unsigned char* my_ring = smem + warp * C::kStages * C::kStageBytes;
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
+  // Byte strides of the caches: between blocks, and (nhd / hnd) between a block's token
+  // rows and between its heads' rows.
+  const std::int64_t k_block_bytes = p.k_block_stride * C::kE, v_block_bytes = p.v_block_stride * C::kE;
+  const std::int64_t tok_bytes = p.tok_stride * C::kE, head_bytes = p.head_stride * C::kE;
   bool bad = false;
 
   // ---- issue the cp.async copies of this warp's i-th chunk into its stage
   // Raw block ids of tokens t0 and t0 + 8 of the warp's i-th chunk (one block when
   // B >= 16), loaded one iteration before use so the load latency stays hidden.
+  // With ids_per_token(B) (see decode_common.cuh) a is the id of the lane's token instead.
+  const bool per_token = ids_per_token(B);
   auto raw_ids = [&](int i, int& a, int& b) {
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     a = b = 0;
     if (i < my_chunks) {
-      a = __ldg(table_row + t0 / B);
-      b = (B < 16 && t0 + 8 < tok_end) ? __ldg(table_row + (t0 + 8) / B) : a;
+      if (per_token) {
+        const int tok = t0 + (lane & 15);
+        a = b = tok < tok_end ? __ldg(table_row + tok / B) : 0;
+      } else {
+        a = __ldg(table_row + t0 / B);
+        b = (B < 16 && t0 + 8 < tok_end) ? __ldg(table_row + (t0 + 8) / B) : a;
+      }
     }
   };
   auto load_chunk = [&](int i, int rawA, int rawB) {
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     unsigned char* vs = ks + C::kKBytes;
-    // with B < 16, the chunk's first block may lie wholly before the window: not read
-    const bool skip_a = B < 16 && t0 + 8 <= wfirst;
-    const int idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, rawA);
-    int idB = idA;
-    if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, rawB) : -1;
-    bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    // Blocks wholly before the window are never read: with B < 16 the chunk's first 8
+    // tokens may lie before it, and per token (B < 8) any of the chunk's tokens may.
+    int idA, idB;
+    if (per_token) {  // idA: the lane's token's id (-1: past the end or before the window)
+      const int tok = t0 + (lane & 15);
+      const bool live = tok < tok_end && tok >= wfirst;
+      idA = idB = live ? checked_block_id(p, s, tok / B, rawA) : -1;
+      bad |= live && idA < 0;
+    } else {
+      const bool skip_a = B < 16 && t0 + 8 <= wfirst;
+      idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, rawA);
+      idB = idA;
+      if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, rawB) : -1;
+      bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    }
+    // The block id of the chunk's token t; a shuffle with ids_per_token(B): every lane of
+    // the warp calls it together.
+    [[maybe_unused]] auto id_of = [&](int t) {
+      return per_token ? __shfl_sync(0xffffffffu, idA, t & 15) : (t < 8 ? idA : idB);
+    };
     if constexpr (L == CacheLayout::kVLLM) {
       if (HEAD != 0 && B == 16) {
         // A chunk is one whole block: the K slab [D/x, 16, x] and the V slab [D, 16] of
@@ -219,17 +244,19 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         // wants them (K swizzled on the way). A lane's token (K) and token half (V) are the
         // same for all its pieces, so the masks and sizes are computed once per chunk.
         const std::int64_t slab = static_cast<std::int64_t>(row_bytes) * 16;
-        const std::int64_t off = (static_cast<std::int64_t>(idA >= 0 ? idA : 0) * K + kvh) * slab;
+        const std::int64_t blk = idA >= 0 ? idA : 0;
+        const std::int64_t koff = blk * k_block_bytes + kvh * slab;
+        const std::int64_t voff = blk * v_block_bytes + kvh * slab;
         const int t = lane & 15;
         const bool okk = idA >= 0 && t0 + t < tok_end;
-        const char* ksrc = okk ? kc + off : kc;
+        const char* ksrc = okk ? kc + koff : kc;
 #pragma unroll
         for (int pi = lane; pi < nck * 16; pi += 32)
           cp_async16(ks + k_off<L, C::kKChunks>(pi >> 4, t), okk ? ksrc + pi * 16 : kc, okk ? 16 : 0);
         constexpr int kPt16 = C::kV16;         // tokens per 16-byte V piece
         constexpr int kPieces = 16 / kPt16;    // V pieces per dim row
         const int nvalid = idA >= 0 ? min(kPt16, max(0, tok_end - (t0 + (lane % kPieces) * kPt16))) : 0;
-        const char* vsrc = nvalid > 0 ? vc + off : vc;
+        const char* vsrc = nvalid > 0 ? vc + voff : vc;
 #pragma unroll
         for (int pi = lane; pi < D * kPieces; pi += 32)
           cp_async16(vs + pi * 16, nvalid > 0 ? vsrc + pi * 16 : vc, nvalid * C::kE);
@@ -238,16 +265,31 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       // K: [N, K, D/x, B, x] -> piece (chunk j, token t) is 16 contiguous bytes.
       const int t = lane & 15;
       const int tok = t0 + t;
-      const int id = t < 8 ? idA : idB;
+      const int id = per_token || t < 8 ? idA : idB;  // per token: idA is token t's own
       const bool ok = tok < tok_end && id >= 0;
-      const char* base = kc + ((static_cast<std::int64_t>(ok ? id : 0) * K + kvh) * nck) * (B * 16) +
-                         static_cast<std::int64_t>(tok % B) * 16;
+      const char* base = kc + static_cast<std::int64_t>(ok ? id : 0) * k_block_bytes +
+                         (static_cast<std::int64_t>(kvh) * nck) * (B * 16) + static_cast<std::int64_t>(tok % B) * 16;
       for (int j = lane >> 4; j < nck; j += 2)
         cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc,
                    ok ? 16 : 0);
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
       constexpr int kPt16 = C::kV16;  // tokens per 16-byte piece
-      if (C::kE == 1 && B == 8) {        // fp8, 8-token blocks: 8-byte pieces
+      if (per_token) {
+        // A block's run of one dim (B elements) is shorter than a copy piece: element by
+        // element, each token's id read again and range-checked (zeros where it is bad).
+        for (int e = lane; e < D * 16; e += 32) {
+          const int d = e >> 4, tk = e & 15, tok = t0 + tk;
+          int id = tok < tok_end && tok >= wfirst ? __ldg(table_row + tok / B) : -1;
+          if (id >= p.num_blocks) id = -1;
+          unsigned char* dst = vs + (d * 16 + tk) * C::kE;
+          const char* src = vc + static_cast<std::int64_t>(id >= 0 ? id : 0) * v_block_bytes +
+                            ((static_cast<std::int64_t>(kvh) * D + d) * B + tok % B) * C::kE;
+          if constexpr (C::kE == 2)
+            *reinterpret_cast<std::uint16_t*>(dst) = id >= 0 ? *reinterpret_cast<const std::uint16_t*>(src) : 0;
+          else
+            *dst = id >= 0 ? *reinterpret_cast<const unsigned char*>(src) : 0;
+        }
+      } else if (C::kE == 1 && B == 8) {  // fp8, 8-token blocks: 8-byte pieces
         for (int pi = lane; pi < D * 2; pi += 32) {
           const int d = pi >> 1, q = pi & 1;
           const int tk = t0 + q * 8;
@@ -255,7 +297,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const int nvalid = min(8, max(0, tok_end - tk));
           const bool okv = nvalid > 0 && idq >= 0;
           const char* src = kc;
-          if (okv) src = vc + ((static_cast<std::int64_t>(idq) * K + kvh) * D + d) * B;
+          if (okv) src = vc + idq * v_block_bytes + (static_cast<std::int64_t>(kvh) * D + d) * B;
           cp_async8(vs + d * 16 + q * 8, okv ? src : vc, okv ? nvalid : 0);
         }
       } else {
@@ -268,36 +310,43 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const bool okv = nvalid > 0 && idq >= 0;
           const char* src = vc;
           if (okv)
-            src = vc + (((static_cast<std::int64_t>(idq) * K + kvh) * D + d) * B + tk % B) * C::kE;
+            src = vc + idq * v_block_bytes + ((static_cast<std::int64_t>(kvh) * D + d) * B + tk % B) * C::kE;
           cp_async16(vs + (d * 16 + q * kPt16) * C::kE, src, okv ? nvalid * C::kE : 0);
         }
       }
     } else {
-      // nhd: [N, B, K, D] for both; a token row of one head is D*E contiguous bytes.
+      // nhd [N, B, K, D] / hnd [N, K, B, D] for both; a token row of one head is D*E
+      // contiguous bytes at tok_bytes * (token in block) + head_bytes * kvh in its block.
       if (C::kE == 1 && (row_bytes & 15)) {  // fp8 rows only 8-byte aligned: 8-byte pieces
         const int n8 = (nck * 16) / 8;          // includes the zero-filled tail of the last chunk
-        for (int pi = lane; pi < 16 * n8; pi += 32) {
-          const int t = pi / n8, j8 = pi % n8;
+        for (int p0 = 0; p0 < 16 * n8; p0 += 32) {  // warp-uniform trip count: id_of shuffles
+          const int pi = p0 + lane;
+          const int t = min(pi / n8, 15), j8 = pi % n8;
+          const int id = id_of(t);
+          if (pi >= 16 * n8) continue;
           const int tok = t0 + t;
-          const int id = t < 8 ? idA : idB;
           const bool ok = tok < tok_end && id >= 0 && j8 * 8 < row_bytes;
-          const std::int64_t off =
-              ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j8 * 8;
-          cp_async8(ks + k_off<L, C::kKChunks>(j8 >> 1, t) + (j8 & 1) * 8, ok ? kc + off : kc, ok ? 8 : 0);
-          cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + off : vc, ok ? 8 : 0);  // fp8: unswizzled rows
+          const std::int64_t blk = ok ? id : 0;
+          const std::int64_t row = (tok % B) * tok_bytes + kvh * head_bytes + j8 * 8;
+          cp_async8(ks + k_off<L, C::kKChunks>(j8 >> 1, t) + (j8 & 1) * 8, ok ? kc + blk * k_block_bytes + row : kc,
+                    ok ? 8 : 0);
+          cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + blk * v_block_bytes + row : vc,
+                    ok ? 8 : 0);  // fp8: unswizzled rows
         }
         return;
       }
-      for (int pi = lane; pi < 16 * nck; pi += 32) {
-        const int t = pi / nck, j = pi % nck;
+      for (int p0 = 0; p0 < 16 * nck; p0 += 32) {  // warp-uniform trip count: id_of shuffles
+        const int pi = p0 + lane;
+        const int t = min(pi / nck, 15), j = pi % nck;
+        const int id = id_of(t);
+        if (pi >= 16 * nck) continue;
         const int tok = t0 + t;
-        const int id = t < 8 ? idA : idB;
         const bool ok = tok < tok_end && id >= 0;
-        const std::int64_t off =
-            ((static_cast<std::int64_t>(ok ? id : 0) * B + tok % B) * K + kvh) * row_bytes + j * 16;
+        const std::int64_t blk = ok ? id : 0;
+        const std::int64_t row = (tok % B) * tok_bytes + kvh * head_bytes + j * 16;
         const int nb = ok ? min(16, row_bytes - j * 16) : 0;
-        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kc + off : kc, nb);
-        cp_async16(vs + v_off<C>(t, j), ok ? vc + off : vc, nb);
+        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kc + blk * k_block_bytes + row : kc, nb);
+        cp_async16(vs + v_off<C>(t, j), ok ? vc + blk * v_block_bytes + row : vc, nb);
       }
     }
   };

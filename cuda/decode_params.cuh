@@ -17,8 +17,13 @@ struct DecodeKernelParams {
   std::int64_t o_stride_seq, o_stride_head;
   const void* query;  // [S, H, D]
   std::int64_t q_stride_seq, q_stride_head;
-  const void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
-  const void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D]
+  const void* key_cache;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D] | hnd [N, K, B, D]
+  const void* value_cache;  // vllm [N, K, D, B]      | nhd [N, B, K, D] | hnd [N, K, B, D]
+  // Elements between the starts of consecutive blocks of each cache (>= one block), and,
+  // for the token-major layouts (nhd and hnd share the kNHD kernels), the elements from a
+  // block's start to token t, head h's row: t * tok_stride + h * head_stride.
+  std::int64_t k_block_stride, v_block_stride;
+  std::int64_t tok_stride, head_stride;
   const std::int32_t* block_tables;  // [S, M]
   const std::int32_t* seq_lens;      // [S]
   const float* alibi_slopes;         // [H] or null

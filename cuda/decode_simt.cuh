@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   const int tok_begin = task.tok_begin;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = HEAD ? HEAD : p.head_size;
-  const int B = p.block_size, K = p.num_kv_heads;
+  const int B = p.block_size;
   constexpr int x = supported::kCacheChunkBytes / (F == KVCacheDType::kAuto ? 4 : 1);  // vllm key layout's x
 
   // As in the tensor-core kernel: the length and the warp's first block ids together.
@@ -97,17 +97,31 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 
   for (int ci = warp; ci < nchunks; ci += C::kWarps) {
     const int t0 = tok_begin + ci * C::kTok;
-    // with B < 16, the chunk's first block may lie wholly before the window: not read
-    const bool skip_a = B < 16 && t0 + 8 <= wfirst;
-    const int idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, raw_a);
-    int idB = idA;
-    if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, raw_b) : -1;
+    // Blocks wholly before the window are never read: with B < 16 the chunk's first 8
+    // tokens may lie before it, and per token (B < 8) any of the chunk's tokens may.
+    const bool per_token = ids_per_token(B);  // idA: the lane's token's id (see decode_common.cuh)
+    const int my_tok = t0 + (lane & 15);
+    int idA, idB;
+    if (per_token) {  // -1: past the end or before the window
+      const bool live = my_tok < tok_end && my_tok >= wfirst;
+      idA = idB = live ? checked_block_id(p, s, my_tok / B, raw_a) : -1;
+      bad |= live && idA < 0;
+    } else {
+      const bool skip_a = B < 16 && t0 + 8 <= wfirst;
+      idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, raw_a);
+      idB = idA;
+      if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, raw_b) : -1;
+      bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    }
     const int tn = t0 + C::kWarps * C::kTok;  // the warp's next chunk
-    if (tn < tok_end) {
+    if (per_token) {
+      raw_a = raw_b = tn + (lane & 15) < tok_end ? __ldg(table_row + (tn + (lane & 15)) / B) : 0;
+    } else if (tn < tok_end) {
       raw_a = __ldg(table_row + tn / B);
       raw_b = (B < 16 && tn + 8 < tok_end) ? __ldg(table_row + (tn + 8) / B) : raw_a;
     }
-    bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
+    // The block id of token t0 + t (t warp-uniform: every lane calls it).
+    auto id_of = [&](int t) { return per_token ? __shfl_sync(0xffffffffu, idA, t) : (t < 8 ? idA : idB); };
 
     // scores: lane t keeps the scores of token t0 + t
     float my[C::kRows];
@@ -116,7 +130,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 #pragma unroll 4
     for (int t = 0; t < C::kTok; ++t) {
       const int tok = t0 + t;
-      const int id = t < 8 ? idA : idB;
+      const int id = id_of(t);
       if (static_cast<unsigned>(tok - wfirst) >= visible || id < 0) continue;  // warp-uniform
       const int off = tok % B;
       float part_dot[C::kRows];
@@ -128,9 +142,10 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
         if (4 * j >= D) break;
         std::int64_t e;
         if constexpr (L == CacheLayout::kVLLM)
-          e = (((static_cast<std::int64_t>(id) * K + kvh) * (D / x) + (4 * j) / x) * B + off) * x + (4 * j) % x;
-        else
-          e = ((static_cast<std::int64_t>(id) * B + off) * K + kvh) * D + 4 * j;
+          e = static_cast<std::int64_t>(id) * p.k_block_stride +
+              ((static_cast<std::int64_t>(kvh) * (D / x) + (4 * j) / x) * B + off) * x + (4 * j) % x;
+        else  // nhd / hnd: token rows at runtime strides
+          e = static_cast<std::int64_t>(id) * p.k_block_stride + off * p.tok_stride + kvh * p.head_stride + 4 * j;
         const float4 kv = load4<F>(p.key_cache, e);
 #pragma unroll
         for (int r = 0; r < C::kRows; ++r)
@@ -166,7 +181,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
 #pragma unroll 4
     for (int t = 0; t < C::kTok; ++t) {
       const int tok = t0 + t;
-      const int id = t < 8 ? idA : idB;
+      const int id = id_of(t);
       if (static_cast<unsigned>(tok - wfirst) >= visible || id < 0) continue;
       const int off = tok % B;
       float pt[C::kRows];
@@ -178,11 +193,13 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
         if (4 * j >= D) break;
         float4 v;
         if constexpr (L == CacheLayout::kVLLM) {
-          const std::int64_t e = ((static_cast<std::int64_t>(id) * K + kvh) * D + 4 * j) * B + off;
+          const std::int64_t e =
+              static_cast<std::int64_t>(id) * p.v_block_stride + (static_cast<std::int64_t>(kvh) * D + 4 * j) * B + off;
           v = make_float4(load1<F>(p.value_cache, e), load1<F>(p.value_cache, e + B),
                           load1<F>(p.value_cache, e + 2 * B), load1<F>(p.value_cache, e + 3 * B));
         } else {
-          v = load4<F>(p.value_cache, ((static_cast<std::int64_t>(id) * B + off) * K + kvh) * D + 4 * j);
+          v = load4<F>(p.value_cache,
+                       static_cast<std::int64_t>(id) * p.v_block_stride + off * p.tok_stride + kvh * p.head_stride + 4 * j);
         }
 #pragma unroll
         for (int r = 0; r < C::kRows; ++r) {

@@ -91,38 +91,58 @@ __device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n)
 template <class C, class T, KVCacheDType F, int D, CacheLayout L>
 __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh,
                                                   int t0, int kv_lo, int kv_end, T* ks, T* vs) {
-  const int B = p.block_size, K = p.num_kv_heads;
+  const int B = p.block_size;
   const auto* kc = static_cast<const std::uint8_t*>(p.key_cache);
   const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
-  if constexpr (L == CacheLayout::kNHD) {
+  if constexpr (L == CacheLayout::kNHD) {  // nhd / hnd: token rows at runtime strides
     constexpr int kChunks = D / 8;  // pieces of a token row
     for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
       const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
       const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
       const std::int64_t blk = live ? table[t / B] : 0;
-      const std::int64_t i = ((blk * B + t % B) * K + kh) * D + c * 8;
-      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + i * C::kE, live ? 8 : 0);
-      prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + i * C::kE, live ? 8 : 0);
+      const std::int64_t i = (t % B) * p.tok_stride + kh * p.head_stride + c * 8;
+      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + (blk * p.k_block_stride + i) * C::kE, live ? 8 : 0);
+      prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + (blk * p.v_block_stride + i) * C::kE, live ? 8 : 0);
     }
   } else {
-    constexpr int kX = 16 / C::kE;      // elements per 16-byte chunk of the key layout
-    const int per_block = D * B / 8;    // pieces of one block and KV head (keys or values)
-    const int blocks = C::kBN / B;      // blocks per tile (the tile starts on a block)
-    for (int u = threadIdx.x; u < blocks * per_block; u += C::kThreads) {
-      const int bi = u / per_block, pc = u % per_block;
-      const int t_blk = t0 + bi * B;
-      // keys: piece pc = (chunk * B + token) * (kX / 8) + half
-      const int tok = pc / (kX / 8) % B;
-      const int kd = pc / (kX / 8) / B * kX + pc % (kX / 8) * 8;
-      // values: piece pc = dim * (B / 8) + group of 8 tokens
-      const int vd = pc / (B / 8), vt = pc % (B / 8) * 8;
-      const bool live = t_blk < kv_end && t_blk >= kv_lo;  // kv_lo: block-aligned
-      const std::int64_t blk = live ? table[t_blk / B] : 0;
-      const std::int64_t base = (blk * K + kh) * D * B + static_cast<std::int64_t>(pc) * 8;
-      prefill_load8<T, F>(ks + (bi * B + tok) * C::kPitch + kd, kc + base * C::kE,
-                          live && t_blk + tok < kv_end ? 8 : 0);
-      prefill_load8<T, F>(vs + vd * C::kVtPitch + bi * B + vt, vc + base * C::kE,
-                          live ? min(8, max(0, kv_end - (t_blk + vt))) : 0);
+    // vllm: the tile is cut into segments of bt tokens inside one block each: whole
+    // blocks (B <= kBN, the tile starts on a block), or the tile's part of one block.
+    constexpr int kX = 16 / C::kE;       // elements per 16-byte chunk of the key layout
+    const int bt = min(B, C::kBN);       // tokens per segment
+    const int per_seg = D * bt / 8;      // 8-element pieces of one segment (keys; values if bt >= 8)
+    const int segs = C::kBN / bt;
+    for (int u = threadIdx.x; u < segs * per_seg; u += C::kThreads) {
+      const int si = u / per_seg, pc = u % per_seg;
+      const int t_seg = t0 + si * bt, o0 = t_seg % B;  // the segment's first token, its offset in the block
+      const bool live = t_seg < kv_end && t_seg >= kv_lo;  // kv_lo: block-aligned
+      const std::int64_t blk = live ? table[t_seg / B] : 0;
+      // keys [D/x][B][x]: piece pc = (chunk * bt + token) * (kX / 8) + half
+      const int tok = pc / (kX / 8) % bt, chunk = pc / (kX / 8) / bt, half = pc % (kX / 8);
+      const std::int64_t ki = blk * p.k_block_stride +
+                              ((static_cast<std::int64_t>(kh) * (D / kX) + chunk) * B + o0 + tok) * kX + half * 8;
+      prefill_load8<T, F>(ks + (si * bt + tok) * C::kPitch + chunk * kX + half * 8, kc + ki * C::kE,
+                          live && t_seg + tok < kv_end ? 8 : 0);
+      if (bt >= 8) {  // values [D][B]: piece pc = dim * (bt / 8) + group of 8 tokens
+        const int vd = pc / (bt / 8), vt = pc % (bt / 8) * 8;
+        const std::int64_t vi = blk * p.v_block_stride + (static_cast<std::int64_t>(kh) * D + vd) * B + o0 + vt;
+        prefill_load8<T, F>(vs + vd * C::kVtPitch + si * bt + vt, vc + vi * C::kE,
+                            live ? min(8, max(0, kv_end - (t_seg + vt))) : 0);
+      }
+    }
+    if (B < 8) {
+      // A block's run of one dim is shorter than an 8-element piece: values element by
+      // element (zeros past kv_end), converted as prefill_load8 converts.
+      for (int u = threadIdx.x; u < D * C::kBN; u += C::kThreads) {
+        const int vd = u / C::kBN, tt = u % C::kBN, t = t0 + tt;
+        T v = from_float<T>(0.0f);
+        if (t < kv_end && t >= kv_lo) {
+          const std::int64_t vi =
+              table[t / B] * p.v_block_stride + (static_cast<std::int64_t>(kh) * D + vd) * B + t % B;
+          if constexpr (F == KVCacheDType::kAuto) v = reinterpret_cast<const T*>(vc)[vi];
+          else v = from_float<T>(fp8_to_float<F>(vc[vi]));
+        }
+        vs[vd * C::kVtPitch + tt] = v;
+      }
     }
   }
 }

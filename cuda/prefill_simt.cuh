@@ -19,14 +19,14 @@ __device__ __forceinline__ float prefill_cache_elem(const PrefillKernelParams& p
                                                     int d) {
   constexpr int kE = F == KVCacheDType::kAuto ? static_cast<int>(sizeof(T)) : 1;
   constexpr int kX = supported::kCacheChunkBytes / kE;
-  const int D = p.head_size, B = p.block_size, K = p.num_kv_heads;
-  std::int64_t i;
-  if constexpr (L == CacheLayout::kNHD) {
-    i = ((blk * B + off) * K + kh) * D + d;
+  const int D = p.head_size, B = p.block_size;
+  std::int64_t i = blk * (KEY ? p.k_block_stride : p.v_block_stride);
+  if constexpr (L == CacheLayout::kNHD) {  // nhd / hnd: token rows at runtime strides
+    i += off * p.tok_stride + kh * p.head_stride + d;
   } else if constexpr (KEY) {
-    i = (((blk * K + kh) * (D / kX) + d / kX) * B + off) * kX + d % kX;
+    i += ((static_cast<std::int64_t>(kh) * (D / kX) + d / kX) * B + off) * kX + d % kX;
   } else {
-    i = ((blk * K + kh) * D + d) * B + off;
+    i += (static_cast<std::int64_t>(kh) * D + d) * B + off;
   }
   const void* base = KEY ? p.key_cache : p.value_cache;
   if constexpr (F == KVCacheDType::kAuto) return to_float(static_cast<const T*>(base)[i]);

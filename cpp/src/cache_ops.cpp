@@ -29,14 +29,20 @@ void check_known_device(const TensorView& t, const std::string& name) {
     fail<TypeMismatch>(name, ": arrays on this device type are not supported (expected cpu or cuda)");
 }
 
-std::int64_t block_bytes_of(const TensorView& t, const std::string& name) {
+// Bytes of one block of a cache array and from one block's start to the next's: its
+// blocks (dims 1..) must be C-contiguous, the block stride anything that keeps blocks
+// apart (detail::check_block_strided says what is allowed, naming the strides).
+struct BlockBytes {
+  std::int64_t block = 0;
+  std::int64_t stride = 0;
+};
+BlockBytes block_bytes_of(const TensorView& t, const std::string& name) {
   if (t.ndim < 1) fail<InvalidArgument>(name, ": expected an array of blocks [num_blocks, ...], got a scalar");
-  if (!t.is_contiguous()) fail<InvalidArgument>(name, ": must be C-contiguous (shape ", t.shape_str(), ")");
   const std::size_t es = dtype_size(t.dtype);
   if (es == 0) fail<TypeMismatch>(name, ": dtype ", dtype_name(t.dtype), " is not supported");
-  std::int64_t n = 1;
-  for (int d = 1; d < t.ndim; ++d) n *= t.size(d);
-  return n * static_cast<std::int64_t>(es);
+  const detail::BlockStrided b = detail::check_block_strided(t, name.c_str());
+  const auto e = static_cast<std::int64_t>(es);
+  return {b.block_elems * e, b.block_stride * e};
 }
 
 struct Mapping {
@@ -123,7 +129,9 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
       fail<InvalidArgument>(name, " is on ", where(t), " but caches[0] is on ", where(ref),
                             "; all caches of one call must be on the same device");
     p.arrays.push_back(t.data);
-    p.block_bytes.push_back(block_bytes_of(t, name));
+    const BlockBytes bb = block_bytes_of(t, name);
+    p.block_bytes.push_back(bb.block);
+    p.block_stride_bytes.push_back(bb.stride);
     p.num_blocks.push_back(t.size(0));
     detail::check_disjoint(t, name.c_str(), block_mapping, "block_mapping");
   }
@@ -147,7 +155,8 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
       for (std::size_t a = 0; a < p.arrays.size(); ++a) {
         char* base = static_cast<char*>(p.arrays[a]);
         const auto bb = static_cast<std::size_t>(p.block_bytes[a]);
-        std::memcpy(base + d * bb, base + s * bb, bb);
+        const auto bs = static_cast<std::size_t>(p.block_stride_bytes[a]);
+        std::memcpy(base + d * bs, base + s * bs, bb);
       }
     }
     return;
@@ -171,7 +180,8 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
                           where(block_mapping));
   if (src.dtype != dst.dtype)
     fail<TypeMismatch>("dst: dtype ", dtype_name(dst.dtype), " must equal src's dtype ", dtype_name(src.dtype));
-  const std::int64_t sb = block_bytes_of(src, "src"), db = block_bytes_of(dst, "dst");
+  const BlockBytes sbb = block_bytes_of(src, "src"), dbb = block_bytes_of(dst, "dst");
+  const std::int64_t sb = sbb.block, db = dbb.block;
   bool same_block = src.ndim == dst.ndim;
   for (int d = 1; same_block && d < src.ndim; ++d) same_block = src.size(d) == dst.size(d);
   if (!same_block || sb != db)
@@ -182,21 +192,25 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
                           "; swap_blocks copies between one GPU and host memory (or within one GPU)");
   detail::check_disjoint(dst, "dst", block_mapping, "block_mapping");
   detail::check_disjoint(src, "src", block_mapping, "block_mapping");
-  detail::check_disjoint(dst, "dst", src, "src", /*allow_identical=*/true);
+  if (dst.data != src.data) detail::check_blocks_disjoint(dst, "dst", src, "src");
+  else detail::check_disjoint(dst, "dst", src, "src", /*allow_identical=*/true);
   const std::vector<std::int64_t> pairs = read_pairs(m);
   check_pairs_range(pairs, src.size(0), dst.size(0));
   check_destinations(pairs, /*chains=*/src.data == dst.data);  // blocks of one array: no chains either
   if (on_host(src) && on_host(dst)) {
     const auto bb = static_cast<std::size_t>(sb);
+    const auto ss = static_cast<std::size_t>(sbb.stride), ds = static_cast<std::size_t>(dbb.stride);
     for (std::size_t i = 0; i < pairs.size() / 2; ++i)
-      std::memmove(static_cast<char*>(dst.data) + static_cast<std::size_t>(pairs[2 * i + 1]) * bb,
-                   static_cast<const char*>(src.data) + static_cast<std::size_t>(pairs[2 * i]) * bb, bb);
+      std::memmove(static_cast<char*>(dst.data) + static_cast<std::size_t>(pairs[2 * i + 1]) * ds,
+                   static_cast<const char*>(src.data) + static_cast<std::size_t>(pairs[2 * i]) * ss, bb);
     return;
   }
   SwapBlocksParams p;
   p.src = src.data;
   p.dst = dst.data;
   p.block_bytes = sb;
+  p.src_block_stride_bytes = sbb.stride;
+  p.dst_block_stride_bytes = dbb.stride;
   p.src_blocks = src.size(0);
   p.dst_blocks = dst.size(0);
   p.mapping = pairs.data();  // the checked copy

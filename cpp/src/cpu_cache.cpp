@@ -16,6 +16,7 @@ void reshape_and_cache(const CacheWriteParams& p) {
   const auto ce = static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype));
   const int x = static_cast<int>(supported::kCacheChunkBytes / ce);
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
+  const RowStrides rows = row_strides(p.layout, B, K, D);
 
   parallel_for(p.num_tokens, [&](std::int64_t t) {
     const std::int64_t slot = p.slot_mapping_int64 ? static_cast<const std::int64_t*>(p.slot_mapping)[t]
@@ -45,15 +46,16 @@ void reshape_and_cache(const CacheWriteParams& p) {
           packed_row = packed.data();
         }
         const auto* pr = static_cast<const char*>(packed_row);
-        if (p.layout == CacheLayout::kNHD) {
-          std::memcpy(cache + (((block * B + off) * K + h) * D) * ce, pr, static_cast<std::size_t>(D * ce));
+        cache += block * (is_value ? p.v_block_stride : p.k_block_stride) * ce;  // the block's start
+        if (p.layout != CacheLayout::kVLLM) {  // nhd [B, K, D] / hnd [K, B, D] blocks: one row
+          std::memcpy(cache + (off * rows.token + h * rows.head) * ce, pr, static_cast<std::size_t>(D * ce));
         } else if (!is_value) {  // [N, K, D/x, B, x]
-          char* base = cache + ((block * K + h) * static_cast<std::int64_t>(D) * B) * ce;
+          char* base = cache + (h * static_cast<std::int64_t>(D) * B) * ce;
           for (int c = 0; c < D / x; ++c)
             std::memcpy(base + ((static_cast<std::int64_t>(c) * B + off) * x) * ce, pr + c * x * ce,
                         static_cast<std::size_t>(x * ce));
         } else {  // [N, K, D, B]
-          char* base = cache + ((block * K + h) * static_cast<std::int64_t>(D) * B) * ce;
+          char* base = cache + (h * static_cast<std::int64_t>(D) * B) * ce;
           for (int d = 0; d < D; ++d)
             std::memcpy(base + (static_cast<std::int64_t>(d) * B + off) * ce, pr + d * ce, static_cast<std::size_t>(ce));
         }

@@ -95,14 +95,16 @@ class DecodeTask {
         ce_(static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype))),
         x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
         head_elems_(static_cast<std::int64_t>(D_) * B_),
+        rows_(p.layout != CacheLayout::kVLLM),
         direct_(p.dtype == DType::kFloat32 && p.kv_cache_dtype == KVCacheDType::kAuto &&
-                p.layout == CacheLayout::kVLLM),
+                p.layout != CacheLayout::kNHD),
         vec_k_(D_ % W == 0),
-        vec_v_(D_ % W == 0 && (p.layout == CacheLayout::kNHD || B_ % W == 0)),
+        vec_v_(D_ % W == 0 && (rows_ || B_ % W == 0)),
+        rs_(row_strides(p.layout, p.block_size, p.num_kv_heads, p.head_size)),
         s_(scratch()) {}
 
   void run() {
-    const bool lanes = vec_v_ && p_.layout == CacheLayout::kVLLM;
+    const bool lanes = vec_v_ && !rows_;
     s_.acc.assign(static_cast<std::size_t>(G_) * D_ * (lanes ? W : 1), 0.0f);
     total_.assign(static_cast<std::size_t>(G_) * D_, 0.0);
     if (L_ > 0) {
@@ -177,19 +179,21 @@ class DecodeTask {
   }
 
   // One block of this KV head as float32 in cache order: vllm keys [D/x][B][x], vllm
-  // values [D][B], nhd [B][D] (rows gathered).
+  // values [D][B], nhd and hnd [B][D] (nhd: rows gathered; vllm and hnd: the head's
+  // part of the block is contiguous).
   const float* load_block(std::int64_t block, bool values) {
-    const char* base = static_cast<const char*>(values ? p_.value_cache : p_.key_cache);
+    const char* base = static_cast<const char*>(values ? p_.value_cache : p_.key_cache) +
+                       block * (values ? p_.v_block_stride : p_.k_block_stride) * ce_;
     const float sc = values ? p_.v_scale : p_.k_scale;
     s_.raw.resize(static_cast<std::size_t>(head_elems_));
-    if (p_.layout == CacheLayout::kVLLM) {
-      const char* src = base + ((block * p_.num_kv_heads + kv_head_) * head_elems_) * ce_;
+    if (p_.layout != CacheLayout::kNHD) {
+      const char* src = base + kv_head_ * head_elems_ * ce_;
       if (direct_) return reinterpret_cast<const float*>(src);
       load_row(src, p_.dtype, p_.kv_cache_dtype, sc, static_cast<int>(head_elems_), s_.raw.data());
       return s_.raw.data();
     }
     for (int t = 0; t < B_; ++t) {
-      const char* src = base + ((block * B_ + t) * p_.num_kv_heads + kv_head_) * static_cast<std::int64_t>(D_) * ce_;
+      const char* src = base + (t * rs_.token + kv_head_ * rs_.head) * ce_;
       load_row(src, p_.dtype, p_.kv_cache_dtype, sc, D_, s_.raw.data() + static_cast<std::size_t>(t) * D_);
     }
     return s_.raw.data();
@@ -197,12 +201,12 @@ class DecodeTask {
 
   // Element (t, d) of a converted key block.
   float key_at(const float* kb, int t, int d) const {
-    if (p_.layout == CacheLayout::kNHD) return kb[static_cast<std::size_t>(t) * D_ + d];
+    if (rows_) return kb[static_cast<std::size_t>(t) * D_ + d];
     return kb[(static_cast<std::size_t>(d / x_) * B_ + t) * x_ + d % x_];
   }
 
   ChunkMap key_chunks(const float* kb) {
-    if (p_.layout == CacheLayout::kNHD) return {kb, D_ / W, 0, D_};
+    if (rows_) return {kb, D_ / W, 0, D_};
     if (x_ >= W) return {kb, x_ / W, static_cast<std::int64_t>(B_) * x_, x_};
     // x = 4 (float32): re-chunk [D/4][B][4] into [D/8][B][8].
     s_.chunked.resize(static_cast<std::size_t>(head_elems_));
@@ -325,7 +329,7 @@ class DecodeTask {
       const float* pr0 = s_.logits.data() + static_cast<std::size_t>(b - b0) * B_;
       for (int g = 0; g < G_; ++g) {
         const float* pr = pr0 + static_cast<std::size_t>(g) * lstride_;
-        if (p_.layout == CacheLayout::kNHD) {  // vb [B][D]
+        if (rows_) {  // vb [B][D]
           float* acc = s_.acc.data() + gd(g);
           for (int t = t0; t < n; ++t) {
             const float w = pr[t];
@@ -377,7 +381,9 @@ class DecodeTask {
   const std::int64_t ce_;
   const int x_;
   const std::int64_t head_elems_;
+  const bool rows_;  // token-major blocks, [B][D] per head (nhd, hnd)
   const bool direct_, vec_k_, vec_v_;
+  const RowStrides rs_;
   Scratch& s_;
   int ws_ = 0;                 // the window's first token (0 without a window)
   int lstride_ = 0;            // logits row length: tokens of one chunk

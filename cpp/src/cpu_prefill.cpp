@@ -275,6 +275,7 @@ class TileTask {
         x_(static_cast<int>(supported::kCacheChunkBytes / ce_)),
         bf_(k.gemm_bf16 && p.dtype == DType::kBFloat16 && p.kv_cache_dtype == KVCacheDType::kAuto &&
             p.head_size % 2 == 0),
+        rs_(row_strides(p.layout, p.block_size, p.num_kv_heads, p.head_size)),
         s_(scratch()) {}
 
   void run() {
@@ -371,14 +372,14 @@ class TileTask {
   }
 
   void prefetch_chunk(int k0, int n) const {
-    const char* kc = static_cast<const char*>(p_.key_cache);
-    const char* vc = static_cast<const char*>(p_.value_cache);
     const std::int64_t head_bytes = static_cast<std::int64_t>(D_) * B_ * ce_;
     const std::int64_t row_bytes = static_cast<std::int64_t>(D_) * ce_;
     for (int c0 = 0; c0 < n; c0 += B_) {
       const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
-      if (p_.layout == CacheLayout::kVLLM) {
-        const std::int64_t off = (blk * p_.num_kv_heads + t_.kv_head) * head_bytes;
+      const char* kc = key_block(blk);
+      const char* vc = value_block(blk);
+      if (p_.layout != CacheLayout::kNHD) {  // the head's part of the block is contiguous
+        const std::int64_t off = t_.kv_head * head_bytes;
         for (std::int64_t b = 0; b < head_bytes; b += 64) {
           __builtin_prefetch(kc + off + b);
           __builtin_prefetch(vc + off + b);
@@ -386,7 +387,7 @@ class TileTask {
       } else {
         const int nt = std::min(B_, n - c0);
         for (int t = 0; t < nt; ++t) {
-          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * row_bytes;
+          const std::int64_t off = row_in_block(t);
           for (std::int64_t b = 0; b < row_bytes; b += 64) {
             __builtin_prefetch(kc + off + b);
             __builtin_prefetch(vc + off + b);
@@ -431,17 +432,17 @@ class TileTask {
       std::fill(s_.ktw.begin(), s_.ktw.end(), 0u);
       std::fill(s_.vw.begin(), s_.vw.end(), 0u);
     }
-    const char* kc = static_cast<const char*>(p_.key_cache);
-    const char* vc = static_cast<const char*>(p_.value_cache);
     const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
     s_.raw16.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, 2 * D_)));
     std::uint16_t* raw = s_.raw16.data();
     const std::size_t row_bytes = sizeof(std::uint16_t) * static_cast<std::size_t>(D_);
     for (int c0 = 0; c0 < n; c0 += B_) {
       const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const char* kc = key_block(blk);
+      const char* vc = value_block(blk);
       const int nt = std::min(B_, n - c0);
       if (p_.layout == CacheLayout::kVLLM) {
-        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        const std::int64_t head = t_.kv_head;
         std::memcpy(raw, kc + head * head_elems * 2,
                     static_cast<std::size_t>(head_elems) * 2);  // [D/x][B][x]
         for (int c = 0; c < D_ / x_; ++c)
@@ -456,23 +457,22 @@ class TileTask {
           std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
           for (int d = 0; d < D_; ++d) set_half(vr[d], key, raw[static_cast<std::size_t>(d) * B_ + t]);
         }
-      } else {  // nhd [N][B][K][D]: keys here, values below in pairs of tokens
+      } else {  // nhd / hnd rows: keys here, values below in pairs of tokens
         for (int t = 0; t < nt; ++t) {
           const int key = c0 + t;
-          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
-          std::memcpy(raw, kc + off, row_bytes);
+          std::memcpy(raw, kc + row_in_block(t), row_bytes);
           for (int i = 0; i < D_ / 2; ++i)
             kt[static_cast<std::size_t>(i) * NC_ + key] = pair(raw[2 * i], raw[2 * i + 1]);
         }
       }
     }
-    if (p_.layout == CacheLayout::kNHD) {
+    if (p_.layout != CacheLayout::kVLLM) {
       std::uint16_t* r0 = raw;
       std::uint16_t* r1 = raw + D_;
       for (int key = 0; key < n; key += 2) {
-        std::memcpy(r0, vc + value_row(k0 + key), row_bytes);
+        std::memcpy(r0, value_row(k0 + key), row_bytes);
         if (key + 1 < n)
-          std::memcpy(r1, vc + value_row(k0 + key + 1), row_bytes);
+          std::memcpy(r1, value_row(k0 + key + 1), row_bytes);
         else
           std::memset(r1, 0, row_bytes);
         std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
@@ -481,27 +481,36 @@ class TileTask {
     }
   }
 
-  // Byte offset of the nhd row of key `key` (of this sequence) in a cache.
-  std::int64_t value_row(int key) const {
-    const std::int64_t blk = s_.blocks[static_cast<std::size_t>(key / B_)];
-    return ((blk * B_ + key % B_) * p_.num_kv_heads + t_.kv_head) * D_ * 2;
+  // The value row of key `key` (of this sequence) in a token-major (nhd, hnd) cache.
+  const char* value_row(int key) const {
+    return value_block(s_.blocks[static_cast<std::size_t>(key / B_)]) + row_in_block(key % B_);
   }
+
+  // Where block `blk` of each cache starts (blocks are k/v_block_stride elements apart),
+  // and the byte offset of token t's row of this KV head inside a token-major block.
+  const char* key_block(std::int64_t blk) const {
+    return static_cast<const char*>(p_.key_cache) + blk * p_.k_block_stride * ce_;
+  }
+  const char* value_block(std::int64_t blk) const {
+    return static_cast<const char*>(p_.value_cache) + blk * p_.v_block_stride * ce_;
+  }
+  std::int64_t row_in_block(int t) const { return (t * rs_.token + t_.kv_head * rs_.head) * ce_; }
 
   // Keys [k0, k0 + n) (whole blocks but maybe the last) into kt [D, NC] and v [NC, Dp];
   // columns / rows n .. NC stay 0 so padding never meets the cache's unwritten slots.
   void load_chunk(int k0, int n) {
     float* kt = s_.kt.data();
     float* v = s_.v.data();
-    const char* kc = static_cast<const char*>(p_.key_cache);
-    const char* vc = static_cast<const char*>(p_.value_cache);
     const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
     s_.raw.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, D_)));
     float* raw = s_.raw.data();
     for (int c0 = 0; c0 < n; c0 += B_) {
       const std::int64_t blk = s_.blocks[static_cast<std::size_t>((k0 + c0) / B_)];
+      const char* kc = key_block(blk);
+      const char* vc = value_block(blk);
       const int nt = std::min(B_, n - c0);
       if (p_.layout == CacheLayout::kVLLM) {
-        const std::int64_t head = blk * p_.num_kv_heads + t_.kv_head;
+        const std::int64_t head = t_.kv_head;
         // keys [D/x][B][x]: converted whole (slots past nt are converted, never used)
         load_row(kc + head * head_elems * ce_, p_.dtype, p_.kv_cache_dtype, p_.k_scale,
                  static_cast<int>(head_elems), raw);
@@ -517,9 +526,9 @@ class TileTask {
           float* vr = v + static_cast<std::size_t>(c0 + t) * Dp_;
           for (int d = 0; d < D_; ++d) vr[d] = raw[static_cast<std::size_t>(d) * B_ + t];
         }
-      } else {  // nhd [N][B][K][D]: one row per token
+      } else {  // nhd / hnd: one row per token
         for (int t = 0; t < nt; ++t) {
-          const std::int64_t off = ((blk * B_ + t) * p_.num_kv_heads + t_.kv_head) * D_ * ce_;
+          const std::int64_t off = row_in_block(t);
           load_row(kc + off, p_.dtype, p_.kv_cache_dtype, p_.k_scale, D_, raw);
           for (int d = 0; d < D_; ++d) kt[static_cast<std::size_t>(d) * NC_ + c0 + t] = raw[d];
           load_row(vc + off, p_.dtype, p_.kv_cache_dtype, p_.v_scale, D_,
@@ -639,6 +648,7 @@ class TileTask {
   const std::int64_t ce_;
   const int x_;
   const bool bf_;  // bfloat16 pair products (see bf16dot)
+  const RowStrides rs_;  // token-major (nhd, hnd) rows inside a block
   Scratch& s_;
 };
 

@@ -38,6 +38,25 @@ void check_cuda_sizes(std::int64_t head_size, std::int64_t block_size);
 void check_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
                     const char* other_name, bool allow_identical = false);
 
+// A cache-like array [N, ...] whose blocks (dims 1..) are C-contiguous and whose blocks
+// lie block_stride elements apart, block_stride >= block_elems (blocks never overlap):
+// what every cache op accepts, e.g. the key half of a per-layer [N, 2, ...] allocation.
+struct BlockStrided {
+  std::int64_t block_elems = 0;   // elements of one block (the product of dims 1..)
+  std::int64_t block_stride = 0;  // elements between block starts (block_elems when N <= 1)
+};
+// Checks `t` (InvalidArgument naming it, its shape, its strides and what is allowed)
+// and that its span (N - 1) * block_stride + block_elems fits in int64 bytes. Defined
+// in validate.cpp.
+BlockStrided check_block_strided(const TensorView& t, const char* name);
+
+// `written` and `other` are block-strided arrays (check_block_strided): refuses them
+// when a block of one shares memory with a block of the other. Exact for equal block
+// strides (the key and value halves of one allocation, interleaved per block, pass);
+// otherwise their whole byte ranges must be disjoint. Defined in validate.cpp.
+void check_blocks_disjoint(const TensorView& written, const char* written_name, const TensorView& other,
+                           const char* other_name);
+
 // The decode kernel choice: a known DecodeKernel, partition_size >= 0 (InvalidArgument).
 // Defined in validate.cpp.
 void check_decode_choice(DecodeKernel kernel, int partition_size);

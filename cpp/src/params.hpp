@@ -23,8 +23,13 @@ struct DecodeParams {
   const void* query = nullptr;      // [S, H, D], dtype; last dim contiguous
   std::int64_t q_stride_seq = 0;
   std::int64_t q_stride_head = 0;
-  const void* key_cache = nullptr;    // vllm [N, K, D/x, B, x] | nhd [N, B, K, D]; contiguous
-  const void* value_cache = nullptr;  // vllm [N, K, D, B]      | nhd [N, B, K, D]; contiguous
+  // vllm [N, K, D/x, B, x] | nhd [N, B, K, D] | hnd [N, K, B, D]; each block (dims 1..)
+  // contiguous, blocks k_block_stride elements apart
+  const void* key_cache = nullptr;
+  // vllm [N, K, D, B]      | nhd [N, B, K, D] | hnd [N, K, B, D]; as key_cache
+  const void* value_cache = nullptr;
+  std::int64_t k_block_stride = 0;  // elements of the cache type between blocks (>= B * K * D)
+  std::int64_t v_block_stride = 0;
   const std::int32_t* block_tables = nullptr;  // [S, M], contiguous
   const std::int32_t* seq_lens = nullptr;      // [S]
   const float* alibi_slopes = nullptr;         // [H] or null
@@ -73,6 +78,8 @@ struct CacheWriteParams {
   std::int64_t v_stride_head = 0;
   void* key_cache = nullptr;    // as in DecodeParams
   void* value_cache = nullptr;
+  std::int64_t k_block_stride = 0;  // elements of the cache type, as in DecodeParams
+  std::int64_t v_block_stride = 0;
   const void* slot_mapping = nullptr;  // [T], int32 or int64; negative = padding, skipped
   bool slot_mapping_int64 = false;
 
@@ -97,6 +104,18 @@ inline std::int64_t window_start(int sliding_window, std::int64_t first_pos) noe
   return sliding_window > 0 && s > 0 ? s : 0;
 }
 
+// Where a token's row of D elements starts inside a block of a token-major layout (nhd,
+// hnd): at token * token + head * head elements from the block's start.
+struct RowStrides {
+  std::int64_t token = 0;
+  std::int64_t head = 0;
+};
+inline RowStrides row_strides(CacheLayout layout, int block_size, int num_kv_heads, int head_size) noexcept {
+  const auto D = static_cast<std::int64_t>(head_size);
+  if (layout == CacheLayout::kHND) return {D, static_cast<std::int64_t>(block_size) * D};
+  return {static_cast<std::int64_t>(num_kv_heads) * D, D};
+}
+
 // Element size in bytes of the cache given the input dtype and the cache dtype.
 inline std::size_t cache_elem_size(DType dtype, KVCacheDType kv) noexcept {
   return kv == KVCacheDType::kAuto ? dtype_size(dtype) : 1;
@@ -105,7 +124,8 @@ inline std::size_t cache_elem_size(DType dtype, KVCacheDType kv) noexcept {
 // copy_blocks / swap_blocks parameters handed to the CUDA backend (validated).
 struct CopyBlocksParams {
   std::vector<void*> arrays;              // base pointers
-  std::vector<std::int64_t> block_bytes;  // bytes of one block of each array
+  std::vector<std::int64_t> block_bytes;  // bytes of one block of each array (contiguous)
+  std::vector<std::int64_t> block_stride_bytes;  // bytes from one block's start to the next's
   std::vector<std::int64_t> num_blocks;   // N of each array
   const void* mapping = nullptr;          // [P, 2]
   bool mapping_int64 = true;
@@ -117,7 +137,9 @@ struct CopyBlocksParams {
 struct SwapBlocksParams {
   const void* src = nullptr;
   void* dst = nullptr;
-  std::int64_t block_bytes = 0;
+  std::int64_t block_bytes = 0;             // bytes of one block (contiguous in both arrays)
+  std::int64_t src_block_stride_bytes = 0;  // bytes from one block's start to the next's
+  std::int64_t dst_block_stride_bytes = 0;
   std::int64_t src_blocks = 0;
   std::int64_t dst_blocks = 0;
   const void* mapping = nullptr;  // host [P, 2]

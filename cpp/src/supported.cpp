@@ -39,6 +39,9 @@ std::string cuda_head_sizes_str() {
 std::string cuda_block_sizes_str() {
   return join(kCudaBlockSizes, [](int v) { return v; });
 }
+std::string layouts_str() {
+  return join(kLayouts, [](CacheLayout l) { return std::string("\"") + layout_name(l) + "\""; });
+}
 
 }  // namespace supported
 }  // namespace pagedattn

@@ -140,6 +140,7 @@ const char* layout_name(CacheLayout l) noexcept {
   switch (l) {
     case CacheLayout::kVLLM: return "vllm";
     case CacheLayout::kNHD: return "nhd";
+    case CacheLayout::kHND: return "hnd";
   }
   return "unknown";
 }
@@ -156,7 +157,8 @@ const char* kv_cache_dtype_name(KVCacheDType k) noexcept {
 CacheLayout parse_layout(const std::string& s, const char* arg) {
   if (s == "vllm") return CacheLayout::kVLLM;
   if (s == "nhd") return CacheLayout::kNHD;
-  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"vllm\" or \"nhd\"");
+  if (s == "hnd") return CacheLayout::kHND;
+  fail<InvalidArgument>(arg, ": got \"", s, "\", expected \"vllm\", \"nhd\" or \"hnd\"");
 }
 
 KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg) {

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -196,10 +198,67 @@ struct CacheGeometry {
   std::int64_t num_kv_heads;
   std::int64_t head_size;
   std::int64_t block_size;
+  std::int64_t k_block_stride;  // elements between blocks of each cache
+  std::int64_t v_block_stride;
 };
 
+// What the other arguments of a call say about num_kv_heads: exactly `exact` (cache
+// writes: the new keys' dimension 1), or a divisor of `divides` (attention: num_heads).
+struct KvHeadsHint {
+  std::int64_t exact = 0;
+  std::int64_t divides = 0;
+  bool fits(std::int64_t k) const {
+    if (k <= 0) return false;
+    if (exact > 0) return k == exact;
+    return divides <= 0 || divides % k == 0;
+  }
+};
+
+// The layout of a call: the one it names, or (none named) "vllm" for a rank-5 key cache
+// and "nhd" for a rank-4 one, as before "hnd" existed. A rank-4 cache is "nhd"
+// [N, B, K, D] or "hnd" [N, K, B, D] and only the call can say which; without layout=
+// the "nhd" reading is taken, and refused when the other arguments rule it out while
+// the "hnd" reading fits them (a cache pair made for "hnd" passed without its layout:
+// value_cache of key_cache's shape; other value shapes get their own error).
+CacheLayout resolve_layout(const TensorView& key_cache, const TensorView& value_cache,
+                           std::optional<CacheLayout> named, const KvHeadsHint& hint) {
+  if (named) {
+    const CacheLayout l = *named;
+    if (std::find(supported::kLayouts.begin(), supported::kLayouts.end(), l) == supported::kLayouts.end())
+      fail<InvalidArgument>("layout: got the value ", static_cast<int>(l), ", expected one of ",
+                            supported::layouts_str());
+    const int want = l == CacheLayout::kVLLM ? 5 : 4;
+    if (key_cache.ndim != want)
+      fail<InvalidArgument>("key_cache: layout \"", layout_name(l), "\" expects ", want, " dimensions ",
+                            l == CacheLayout::kVLLM   ? "[num_blocks, num_kv_heads, head_size/x, block_size, x]"
+                            : l == CacheLayout::kNHD ? "[num_blocks, block_size, num_kv_heads, head_size]"
+                                                     : "[num_blocks, num_kv_heads, block_size, head_size]",
+                            ", got ", key_cache.ndim, " (shape ", key_cache.shape_str(), ")");
+    return l;
+  }
+  if (key_cache.ndim == 5) return CacheLayout::kVLLM;
+  if (key_cache.ndim != 4)
+    fail<InvalidArgument>("key_cache: expected 5 dimensions (layout \"vllm\": [num_blocks, num_kv_heads, "
+                          "head_size/x, block_size, x]) or 4 (layout \"nhd\": [num_blocks, block_size, num_kv_heads, "
+                          "head_size], or \"hnd\": [num_blocks, num_kv_heads, block_size, head_size] with "
+                          "layout=\"hnd\"), got ",
+                          key_cache.ndim, " (shape ", key_cache.shape_str(), ")");
+  const std::int64_t s1 = key_cache.size(1), s2 = key_cache.size(2);
+  bool pair = value_cache.ndim == 4;
+  for (int d = 0; pair && d < 4; ++d) pair = value_cache.size(d) == key_cache.size(d);
+  if (pair && !hint.fits(s2) && hint.fits(s1))
+    fail<InvalidArgument>(
+        "key_cache: shape ", key_cache.shape_str(), " was given without layout=, so it is read as layout \"nhd\" "
+        "[num_blocks, block_size, num_kv_heads, head_size], num_kv_heads = ", s2, ", which ",
+        hint.exact > 0 ? detail::concat("does not match the new keys' num_kv_heads ", hint.exact)
+                       : detail::concat("does not divide num_heads ", hint.divides),
+        "; as layout \"hnd\" [num_blocks, num_kv_heads, block_size, head_size] it would fit: pass layout=\"hnd\" "
+        "(or layout=\"nhd\" to keep this reading)");
+  return CacheLayout::kNHD;
+}
+
 CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_cache, DType dtype,
-                           KVCacheDType kv_dtype) {
+                           KVCacheDType kv_dtype, std::optional<CacheLayout> named, const KvHeadsHint& hint) {
   const DType cache_dtype = kv_dtype == KVCacheDType::kAuto ? dtype : DType::kUInt8;
   if (key_cache.dtype != cache_dtype || value_cache.dtype != cache_dtype) {
     const TensorView& bad = key_cache.dtype != cache_dtype ? key_cache : value_cache;
@@ -212,8 +271,8 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
   }
   const std::int64_t x = supported::kCacheChunkBytes / static_cast<std::int64_t>(cache_elem_size(dtype, kv_dtype));
   CacheGeometry g{};
-  if (key_cache.ndim == 5) {
-    g.layout = CacheLayout::kVLLM;
+  g.layout = resolve_layout(key_cache, value_cache, named, hint);
+  if (g.layout == CacheLayout::kVLLM) {
     check_ndim(value_cache, "value_cache", 4, "[num_blocks, num_kv_heads, head_size, block_size] (layout \"vllm\")");
     if (key_cache.size(4) != x)
       fail<InvalidArgument>("key_cache: the last dimension of the \"vllm\" layout must be x = 16 / element size = ", x,
@@ -226,25 +285,22 @@ CacheGeometry check_caches(const TensorView& key_cache, const TensorView& value_
     check_dim(value_cache, "value_cache", 1, g.num_kv_heads, "num_kv_heads, as in key_cache");
     check_dim(value_cache, "value_cache", 2, g.head_size, "head_size, as in key_cache");
     check_dim(value_cache, "value_cache", 3, g.block_size, "block_size, as in key_cache");
-  } else if (key_cache.ndim == 4) {
-    g.layout = CacheLayout::kNHD;
-    check_ndim(value_cache, "value_cache", 4, "[num_blocks, block_size, num_kv_heads, head_size] (layout \"nhd\")");
+  } else {
+    const bool nhd = g.layout == CacheLayout::kNHD;
+    check_ndim(value_cache, "value_cache", 4,
+               nhd ? "[num_blocks, block_size, num_kv_heads, head_size] (layout \"nhd\")"
+                   : "[num_blocks, num_kv_heads, block_size, head_size] (layout \"hnd\")");
     g.num_blocks = key_cache.size(0);
-    g.block_size = key_cache.size(1);
-    g.num_kv_heads = key_cache.size(2);
+    g.block_size = key_cache.size(nhd ? 1 : 2);
+    g.num_kv_heads = key_cache.size(nhd ? 2 : 1);
     g.head_size = key_cache.size(3);
     for (int d = 0; d < 4; ++d)
       if (value_cache.size(d) != key_cache.size(d))
         fail<InvalidArgument>("value_cache: shape ", value_cache.shape_str(), " must equal key_cache's shape ",
-                              key_cache.shape_str(), " in the \"nhd\" layout");
-  } else {
-    fail<InvalidArgument>("key_cache: expected 5 dimensions (layout \"vllm\": [num_blocks, num_kv_heads, "
-                          "head_size/x, block_size, x]) or 4 (layout \"nhd\": [num_blocks, block_size, num_kv_heads, "
-                          "head_size]), got ",
-                          key_cache.ndim, " (shape ", key_cache.shape_str(), ")");
+                              key_cache.shape_str(), " in the \"", layout_name(g.layout), "\" layout");
   }
-  check_contiguous(key_cache, "key_cache");
-  check_contiguous(value_cache, "value_cache");
+  g.k_block_stride = detail::check_block_strided(key_cache, "key_cache").block_stride;
+  g.v_block_stride = detail::check_block_strided(value_cache, "value_cache").block_stride;
   if (g.num_kv_heads <= 0) fail<InvalidArgument>("key_cache: num_kv_heads must be positive, got ", g.num_kv_heads);
   if (g.block_size <= 0) fail<InvalidArgument>("key_cache: block_size must be positive, got ", g.block_size);
   if (g.head_size <= 0) fail<InvalidArgument>("key_cache: head_size must be positive, got ", g.head_size);
@@ -306,6 +362,19 @@ void check_cuda_decode_limits(const DecodeParams& p, const TensorView* workspace
   if (reinterpret_cast<std::uintptr_t>(p.value_cache) % kAlign != 0)
     fail<InvalidArgument>("value_cache: the CUDA kernels need its data to start on a ", kAlign,
                           "-byte boundary, got address ", p.value_cache);
+  // Blocks start where the kernels' vector loads may: on 16 bytes, or on 8 for token rows
+  // that are themselves only 8-byte multiples (fp8 nhd / hnd rows), as in a contiguous cache.
+  const auto ce = static_cast<std::int64_t>(cache_elem_size(p.dtype, p.kv_cache_dtype));
+  const std::int64_t block_align =
+      p.layout != CacheLayout::kVLLM && p.head_size * ce % static_cast<std::int64_t>(kAlign) != 0
+          ? 8
+          : static_cast<std::int64_t>(kAlign);
+  const std::pair<const char*, std::int64_t> block_strides[] = {{"key_cache", p.k_block_stride},
+                                                                {"value_cache", p.v_block_stride}};
+  for (const auto& [name, stride] : block_strides)
+    if (stride * ce % block_align != 0)
+      fail<InvalidArgument>(name, ": the CUDA kernels need a block stride (dimension 0) that is a multiple of ",
+                            block_align, " bytes, got ", stride, " elements of ", ce, " bytes");
   constexpr int kMaxSeqs = 65535;  // the grid's z dimension
   if (p.num_seqs > kMaxSeqs)
     fail<NotSupported>("num_seqs: got ", p.num_seqs, ", the CUDA kernels take at most ", kMaxSeqs,
@@ -330,6 +399,58 @@ void check_disjoint(const TensorView& written, const char* written_name, const T
   Written(written, written_name).disjoint_from(other, other_name, allow_identical);
 }
 
+BlockStrided check_block_strided(const TensorView& t, const char* name) {
+  if (t.ndim < 1) fail<InvalidArgument>(name, ": expected an array of blocks [num_blocks, ...], got a scalar");
+  std::int64_t elems = 1;
+  bool blocks_contiguous = true;
+  std::string want = "]";  // the strides of dims 1.. that a block needs, innermost first
+  for (int d = t.ndim - 1; d >= 1; --d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (t.shape[i] != 1 && t.strides[i] != elems) blocks_contiguous = false;
+    want = ", " + std::to_string(elems) + want;
+    elems = checked_mul(elems, std::max<std::int64_t>(t.shape[i], 0), t, name);
+  }
+  const std::int64_t n = t.shape[0];
+  BlockStrided b{elems, elems};
+  if (n <= 0 || elems == 0) return b;  // no element is ever addressed
+  if (n > 1) b.block_stride = t.strides[0];
+  if (!blocks_contiguous || b.block_stride < elems)
+    fail<InvalidArgument>(name, ": shape ", t.shape_str(), " with strides ", strides_str(t),
+                          " (in elements) is not supported; each block (dimensions 1..) must be C-contiguous and "
+                          "blocks must not overlap: strides [s", want, " with a block stride s >= ", elems,
+                          " (one block's elements), e.g. a C-contiguous array or the key or value half of a "
+                          "[num_blocks, 2, ...] allocation");
+  const auto es = static_cast<std::int64_t>(std::max<std::size_t>(dtype_size(t.dtype), 1));
+  checked_mul(checked_add(checked_mul(n - 1, b.block_stride, t, name), elems, t, name), es, t, name);
+  return b;
+}
+
+void check_blocks_disjoint(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  const BlockStrided ba = check_block_strided(a, a_name), bb = check_block_strided(b, b_name);
+  const auto ea = static_cast<std::int64_t>(std::max<std::size_t>(dtype_size(a.dtype), 1));
+  const auto eb = static_cast<std::int64_t>(std::max<std::size_t>(dtype_size(b.dtype), 1));
+  const std::int64_t na = a.shape[0], nb = b.shape[0];
+  if (na <= 0 || nb <= 0 || ba.block_elems == 0 || bb.block_elems == 0) return;
+  const std::int64_t sa = ba.block_stride * ea, sb = bb.block_stride * eb;
+  if (na < 2 || nb < 2 || sa != sb) {  // not interleavable: whole ranges
+    Written(a, a_name).disjoint_from(b, b_name);
+    return;
+  }
+  // Block i of a covers [i s, i s + La) and block j of b [d + j s, d + j s + Lb), offsets
+  // from a's start: they meet when k = i - j has k s in (d - La, d + Lb).
+  const std::int64_t la = ba.block_elems * ea, lb = bb.block_elems * eb;
+  const auto d = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(b.data) -
+                                           reinterpret_cast<std::uintptr_t>(a.data));
+  const std::int64_t lo = d - la;  // |d| < 2^62 on every real address space
+  const std::int64_t k_lo = (lo >= 0 ? lo / sa : -((-lo + sa - 1) / sa)) + 1;  // floor(lo / s) + 1
+  const std::int64_t k = std::max(k_lo, -(nb - 1));
+  if (k <= na - 1 && k * sa < d + lb)
+    fail<InvalidArgument>(a_name, " overlaps ", b_name, " in memory: a block of one shares bytes with a block of the "
+                          "other (block stride ", sa, " bytes, blocks of ", la, " and ", lb, " bytes, ", b_name,
+                          " starts ", d, " bytes after ", a_name, "); their blocks must be separate memory, as the "
+                          "key and value halves of one [num_blocks, 2, ...] allocation are");
+}
+
 }  // namespace detail
 
 void check_decode_shape(const DecodeShape& sh, DeviceKind device, const AttentionOptions& opt) {
@@ -350,8 +471,11 @@ void check_decode_shape(const DecodeShape& sh, DeviceKind device, const Attentio
     const int x = supported::kCacheChunkBytes / static_cast<int>(cache_elem_size(sh.dtype, opt.kv_cache_dtype));
     if (sh.head_size % x != 0)
       fail<InvalidArgument>("head_size ", sh.head_size, " does not fit the \"vllm\" layout, which needs a multiple of "
-                            "x = 16 / element size = ", x, " (the \"nhd\" layout takes any head size)");
+                            "x = 16 / element size = ", x, " (the \"nhd\" and \"hnd\" layouts take any head size)");
   }
+  if (opt.layout && *opt.layout != sh.layout)
+    fail<InvalidArgument>("layout: the options name layout \"", layout_name(*opt.layout), "\" but the shape's is \"",
+                          layout_name(sh.layout), "\"");
   if (opt.scale && !std::isfinite(*opt.scale)) fail<InvalidArgument>("scale: must be finite, got ", *opt.scale);
   if (opt.sliding_window < 0)
     fail<InvalidArgument>("sliding_window: must be >= 0 (tokens; 0 = off), got ", opt.sliding_window);
@@ -428,7 +552,8 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   if (H <= 0) fail<InvalidArgument>("query: num_heads must be positive, got ", H);
   if (D <= 0) fail<InvalidArgument>("query: head_size must be positive, got ", D);
 
-  const CacheGeometry g = check_caches(key_cache, value_cache, query.dtype, opt.kv_cache_dtype);
+  const CacheGeometry g =
+      check_caches(key_cache, value_cache, query.dtype, opt.kv_cache_dtype, opt.layout, KvHeadsHint{0, H});
   if (g.head_size != D)
     fail<InvalidArgument>("key_cache: head_size ", g.head_size, " does not match the query's head_size ", D);
 
@@ -496,6 +621,8 @@ DecodeParams make_decode_params(const TensorView& out, const TensorView& query, 
   p.q_stride_head = query.stride(1);
   p.key_cache = key_cache.data;
   p.value_cache = value_cache.data;
+  p.k_block_stride = g.k_block_stride;
+  p.v_block_stride = g.v_block_stride;
   p.block_tables = block_tables.ptr<const std::int32_t>();
   p.seq_lens = seq_lens.ptr<const std::int32_t>();
   p.alibi_slopes = opt.alibi_slopes ? opt.alibi_slopes->ptr<const float>() : nullptr;
@@ -596,7 +723,8 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
   check_last_dim_contiguous(value, "value");
   const std::int64_t T = key.size(0);
 
-  const CacheGeometry g = check_caches(key_cache, value_cache, key.dtype, opt.kv_cache_dtype);
+  const CacheGeometry g =
+      check_caches(key_cache, value_cache, key.dtype, opt.kv_cache_dtype, opt.layout, KvHeadsHint{key.size(1), 0});
   if (key.size(1) != g.num_kv_heads)
     fail<InvalidArgument>("key: num_kv_heads ", key.size(1), " does not match the caches' num_kv_heads ",
                           g.num_kv_heads);
@@ -615,7 +743,7 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
   check_writable(key_cache, "key_cache");
   check_writable(value_cache, "value_cache");
   const Written kc_w(key_cache, "key_cache"), vc_w(value_cache, "value_cache");
-  vc_w.disjoint_from(key_cache, "key_cache");
+  detail::check_blocks_disjoint(value_cache, "value_cache", key_cache, "key_cache");
   for (const Written* cache : {&kc_w, &vc_w}) {
     cache->disjoint_from(key, "key");
     cache->disjoint_from(value, "value");
@@ -631,6 +759,8 @@ CacheWriteParams make_cache_write_params(const TensorView& key, const TensorView
   p.v_stride_head = value.stride(1);
   p.key_cache = key_cache.data;
   p.value_cache = value_cache.data;
+  p.k_block_stride = g.k_block_stride;
+  p.v_block_stride = g.v_block_stride;
   p.slot_mapping = slot_mapping.data;
   p.slot_mapping_int64 = slot_mapping.dtype == DType::kInt64;
   p.num_tokens = T;
@@ -683,16 +813,24 @@ CacheShapes kv_cache_shape(std::int64_t num_blocks, std::int64_t block_size, std
     const auto x = static_cast<std::int64_t>(supported::kCacheChunkBytes / elem_size);
     if (head_size % x != 0)
       fail<InvalidArgument>("head_size: the \"vllm\" layout needs a multiple of x = 16 / element size = ", x, ", got ",
-                            head_size, " (the \"nhd\" layout takes any head size)");
+                            head_size, " (the \"nhd\" and \"hnd\" layouts take any head size)");
     s.key_ndim = 5;
     s.value_ndim = 4;
     s.key = {num_blocks, num_kv_heads, head_size / x, block_size, x};
     s.value = {num_blocks, num_kv_heads, head_size, block_size, 0};
-  } else {
+  } else if (layout == CacheLayout::kNHD) {
     s.key_ndim = 4;
     s.value_ndim = 4;
     s.key = {num_blocks, block_size, num_kv_heads, head_size};
     s.value = s.key;
+  } else if (layout == CacheLayout::kHND) {
+    s.key_ndim = 4;
+    s.value_ndim = 4;
+    s.key = {num_blocks, num_kv_heads, block_size, head_size};
+    s.value = s.key;
+  } else {
+    fail<InvalidArgument>("layout: got the value ", static_cast<int>(layout), ", expected one of ",
+                          supported::layouts_str());
   }
   return s;
 }

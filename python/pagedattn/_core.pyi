@@ -31,7 +31,7 @@ Stream = Optional[object]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 FP8DType = Literal["fp8", "fp8_e4m3", "fp8_e5m2"]
 Kernel = Literal["auto", "single_pass", "partitioned"]
-Layout = Literal["vllm", "nhd"]
+Layout = Literal["vllm", "nhd", "hnd"]
 
 __version__: str
 with_cuda: bool
@@ -88,6 +88,7 @@ def paged_attention(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     sinks: Optional[SupportsDLPack] = None,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> _Array:
     """Paged attention over the KV cache; returns a new array of the query's type, dtype and device.
@@ -120,6 +121,7 @@ def paged_attention(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     sinks: Optional[SupportsDLPack] = None,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> _Out:
     """Paged attention over the KV cache, written into `out` (like the query); returns `out`."""
@@ -150,6 +152,7 @@ class PreparedDecode(Generic[_Array]):
         sliding_window: int = 0,
         soft_cap: float = 0.0,
         sinks: Optional[SupportsDLPack] = None,
+        layout: Optional[Layout] = None,
         stream: Stream = None,
     ) -> None: ...
     def run(self, stream: Stream = None) -> _Array: ...
@@ -167,6 +170,7 @@ def reshape_and_cache(
     kv_cache_dtype: KVCacheDType = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layout: Optional[Layout] = None,
     stream: Stream = None,
 ) -> None:
     """Writes key / value [T, K, D] into the cache slots of slot_mapping (int32 / int64 [T]), in place."""

@@ -64,31 +64,49 @@ def gather_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     start: int = 0,
+    layout: Optional[str] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Dense float64 keys and values [seq_len - start, K, D] of one sequence: positions
-    start .. seq_len - 1 (the blocks before ``start``'s block are not read)."""
+    start .. seq_len - 1 (the blocks before ``start``'s block are not read).
+
+    The caches may be views with any block stride (NumPy indexes them as they are).
+    ``layout`` None: "vllm" for a rank-5 key cache, "nhd" for a rank-4 one."""
     key_cache = np.asarray(key_cache)
     value_cache = np.asarray(value_cache)
-    if key_cache.ndim == 5:  # vllm: key [N, K, D/x, B, x], value [N, K, D, B]
+    layout = _layout(key_cache, layout)
+    if layout == "vllm":  # key [N, K, D/x, B, x], value [N, K, D, B]
         _, kh, dx, bs, x = key_cache.shape
         d = dx * x
-    else:  # nhd: [N, B, K, D]
+    elif layout == "nhd":  # [N, B, K, D]
         _, bs, kh, d = key_cache.shape
+    else:  # hnd: [N, K, B, D]
+        _, kh, bs, d = key_cache.shape
     start = max(0, min(start, seq_len))
     first = start // bs
     n_blocks = -(-seq_len // bs) - first
     blocks = np.asarray(block_table)[first : first + n_blocks].astype(np.int64)
     kc = _to_f64(key_cache[blocks], kv_cache_dtype, k_scale)
     vc = _to_f64(value_cache[blocks], kv_cache_dtype, v_scale)
-    if key_cache.ndim == 5:
+    if layout == "vllm":
         # [n, K, D/x, B, x] -> [n, B, K, D/x, x] -> [n*B, K, D]
         k = kc.transpose(0, 3, 1, 2, 4).reshape(n_blocks * bs, kh, d)
         v = vc.transpose(0, 3, 1, 2).reshape(n_blocks * bs, kh, d)
+    elif layout == "hnd":  # [n, K, B, D] -> [n, B, K, D]
+        k = kc.transpose(0, 2, 1, 3).reshape(n_blocks * bs, kh, d)
+        v = vc.transpose(0, 2, 1, 3).reshape(n_blocks * bs, kh, d)
     else:
         k = kc.reshape(n_blocks * bs, kh, d)
         v = vc.reshape(n_blocks * bs, kh, d)
     skip = start - first * bs
     return k[skip : seq_len - first * bs], v[skip : seq_len - first * bs]
+
+
+def _layout(key_cache: np.ndarray, layout: Optional[str]) -> str:
+    if layout is None:
+        return "vllm" if key_cache.ndim == 5 else "nhd"
+    if layout not in ("vllm", "nhd", "hnd"):
+        raise ValueError(f"layout: got {layout!r}, expected 'vllm', 'nhd' or 'hnd'")
+    return layout
 
 
 def _window_start(sliding_window: int, pos: int) -> int:
@@ -204,13 +222,14 @@ def paged_attention_ref(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     sinks: Optional[Any] = None,
+    layout: Optional[str] = None,
 ) -> np.ndarray:
     """float64 reference of :func:`pagedattn.paged_attention`: [S, H, D], or [T, H, D]
     with ``query_start_loc`` (each sequence's rows are its last tokens, causal).
 
     Variants: ``sliding_window`` (tokens, 0 = off), ``soft_cap`` (0 = off), ``sinks``
     (float [H]). Keys before a sequence's window are never read (their blocks may hold
-    anything, or be released: -1 in the table)."""
+    anything, or be released: -1 in the table). ``layout`` as in :func:`gather_kv`."""
     query = np.asarray(query).astype(np.float64)
     s, h, d = query.shape
     scale = 1.0 / np.sqrt(d) if scale is None else scale
@@ -226,20 +245,27 @@ def paged_attention_ref(
         start = _window_start(sliding_window, length - (hi - lo))
         k, v = gather_kv(
             key_cache, value_cache, block_tables[i], length,
-            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, start=start,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, start=start, layout=layout,
         )  # fmt: skip
         out[lo:hi] = causal_attention(query[lo:hi], k, v, scale, alibi_slopes, k_start=start, **variants)
     return out
 
 
-def reshape_and_cache_ref(key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any):
-    """In-place NumPy version of :func:`pagedattn.reshape_and_cache` (kv_cache_dtype "auto")."""
+def reshape_and_cache_ref(key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any,
+                          layout: Optional[str] = None):  # fmt: skip
+    """In-place NumPy version of :func:`pagedattn.reshape_and_cache` (kv_cache_dtype "auto");
+    the caches may be strided views."""
     key = np.asarray(key)
     value = np.asarray(value)
+    layout = _layout(key_cache, layout)
     for t, slot in enumerate(np.asarray(slot_mapping).tolist()):
         if slot < 0:
             continue
-        if key_cache.ndim == 5:
+        if layout == "hnd":
+            b, off = divmod(slot, key_cache.shape[2])
+            key_cache[b, :, off] = key[t]
+            value_cache[b, :, off] = value[t]
+        elif layout == "vllm":
             _, _, dx, bs, x = key_cache.shape
             b, off = divmod(slot, bs)
             key_cache[b, :, :, off, :] = key[t].reshape(key.shape[1], dx, x)

@@ -169,9 +169,13 @@ constexpr const char* kDecodeDoc =
     "Shapes (S sequences, H query heads, K KV heads, D head size, B block size, N blocks,\n"
     "M max blocks per sequence, x = 16 / element size of the cache):\n"
     "    query        [S, H, D]; may be strided in its first two dimensions\n"
-    "    key_cache    layout 'vllm' [N, K, D/x, B, x] or 'nhd' [N, B, K, D]; C-contiguous\n"
-    "    value_cache  layout 'vllm' [N, K, D, B] or 'nhd' [N, B, K, D]; C-contiguous\n"
+    "    key_cache    layout 'vllm' [N, K, D/x, B, x], 'nhd' [N, B, K, D] or 'hnd' [N, K, B, D]\n"
+    "    value_cache  layout 'vllm' [N, K, D, B], 'nhd' [N, B, K, D] or 'hnd' [N, K, B, D]\n"
+    "                 (each block C-contiguous; any block stride >= one block, e.g. the key\n"
+    "                 and value halves of an [N, 2, ...] allocation)\n"
     "    block_tables int32 [S, M]; seq_lens int32 [S]\n"
+    "layout=None reads a rank-5 cache as 'vllm' and a rank-4 one as 'nhd'; 'hnd' caches\n"
+    "need layout='hnd'.\n"
     "Query head h reads KV head h // (H // K). A sequence of length 0 yields zeros. Returns\n"
     "`out` when given, else a new array of the query's kind, dtype and device. Any DLPack\n"
     "array works (NumPy, PyTorch, CuPy, JAX), on the CPU or one CUDA device.";
@@ -282,7 +286,7 @@ void bind_attention(nb::module_& m) {
   static const std::string write_doc =
       doc("Writes key / value [T, K, D] into their cache slots, in place.\n\n"
           "slot_mapping int32 or int64 [T]: slot = block * B + offset; negative slots mark padding and are\n"
-          "skipped. Works with both cache layouts; with an fp8 kv_cache_dtype the values are stored as\n"
+          "skipped. Works with every cache layout (layout= as in paged_attention); with an fp8 kv_cache_dtype the values are stored as\n"
           "value / scale, saturated.",
           kCacheWrite);
   m.def(
@@ -299,6 +303,7 @@ void bind_attention(nb::module_& m) {
         a.add(slot_mapping, "slot_mapping");
         CacheWriteOptions opt;
         opt.kv_cache_dtype = kw.options.kv_cache_dtype;
+        opt.layout = kw.options.layout;
         opt.k_scale = kw.options.k_scale;
         opt.v_scale = kw.options.v_scale;
         opt.stream = a.stream(kw.stream, 0);
@@ -365,7 +370,7 @@ void bind_attention(nb::module_& m) {
               "layout: str = 'vllm') -> tuple[tuple[int, ...], tuple[int, ...]]"),
       "(key_shape, value_shape) of a paged KV cache.\n\n"
       "dtype is the cache element type: a NumPy dtype or scalar type, a torch dtype, or a name\n"
-      "('float32', 'float16', 'bfloat16', 'uint8', 'fp8_e4m3', 'fp8_e5m2'). layout is 'vllm' or 'nhd'.");
+      "('float32', 'float16', 'bfloat16', 'uint8', 'fp8_e4m3', 'fp8_e5m2'). layout is 'vllm', 'nhd' or 'hnd'.");
 
   m.def("exchange_api_available", [](nb::handle obj) { return exchange::api_of(obj.ptr()) != nullptr; }, "obj"_a,
         "Whether the type of `obj` offers the DLPack C exchange API (`__dlpack_c_exchange_api__`).");
@@ -381,7 +386,9 @@ void bind_attention(nb::module_& m) {
       kernels.append(decode_kernel_name(k));
     d["dtypes"] = dts;
     d["kv_cache_dtypes"] = nb::tuple(kvs);
-    d["layouts"] = nb::make_tuple(layout_name(CacheLayout::kVLLM), layout_name(CacheLayout::kNHD));
+    nb::list layouts;
+    for (CacheLayout l : supported::kLayouts) layouts.append(layout_name(l));
+    d["layouts"] = nb::tuple(layouts);
     d["kernels"] = nb::tuple(kernels);
     d["cuda_head_sizes"] = hs;
     d["cuda_head_size_align"] = supported::kCudaHeadSizeAlign;

@@ -81,7 +81,8 @@ void bind_cache_ops(nb::module_& m) {
       nb::sig("def copy_blocks(key_caches: Any, value_caches: Any, block_mapping: Any, *, stream: Any = None) -> None"),
       "For every (src, dst) pair and every cache: cache[dst] = cache[src], in place.\n\n"
       "key_caches / value_caches: lists of cache arrays [num_blocks, ...] on one device (any layout; a block\n"
-      "is the slice along the first dimension), one per layer; a single array (not in a list) is one layer's\n"
+      "is the slice along the first dimension, C-contiguous, at any block stride >= one block, such as the\n"
+      "key and value halves of an [N, 2, ...] allocation), one per layer; a single array (not in a list) is one layer's\n"
       "cache, never a list of rows. block_mapping: pairs [P, 2] (src, dst) as a list of pairs, or an\n"
       "int64 / int32 array in host memory or on the caches' GPU, never inside a cache. A destination must\n"
       "not appear twice nor be the source of another pair (a host mapping breaking this raises ValueError\n"

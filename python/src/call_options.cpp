@@ -101,6 +101,12 @@ const Keyword kKeywords[] = {
     {"sinks", kDecodeCall, "Any", "None",
      "float32 [H] attention sinks: exp(sinks[h]) joins head h's softmax denominator (-inf: none)",
      [](CallKeywords& k, nb::handle v, const char*) { k.sinks = v; }},
+    {"layout", kDecodeCall | kCacheWrite, "str | None", "None",
+     "cache layout: 'vllm', 'nhd' or 'hnd' (default: 'vllm' for rank-5 key caches, 'nhd' for rank-4 ones; an "
+     "'hnd' cache must be named)",
+     [](CallKeywords& k, nb::handle v, const char* n) {
+       k.options.layout = v.is_none() ? std::nullopt : std::optional<CacheLayout>(parse_layout(str_arg(v, n), n));
+     }},
     {"stream", kDecodeCall | kCacheWrite, "Any", "None",
      "CUDA stream: an int handle or an object with __cuda_stream__ (default: the arrays' framework's current one)",
      [](CallKeywords& k, nb::handle v, const char*) { k.stream = v; }},

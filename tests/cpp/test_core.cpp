@@ -159,6 +159,29 @@ PA_TEST(cpu_decode_variants_match_double_reference) {
   opt.soft_cap = 1.5f;
   opt.sinks = make_view(sinks.data(), DType::kFloat32, {p.H});
   paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), opt);
+// The problem's caches re-laid as "hnd" [N, K, B, D] halves of one [N, 2, K, B, D]
+// allocation (NaN between the used slots): key and value blocks interleaved, each cache
+// a block-strided view.
+PA_TEST(cpu_decode_reads_hnd_halves_of_one_allocation) {
+  Problem p;
+  const std::int64_t E = static_cast<std::int64_t>(p.B) * p.K * p.D;  // one block of one cache
+  std::vector<float> both(static_cast<size_t>(p.N * 2 * E), std::numeric_limits<float>::quiet_NaN());
+  for (int n = 0; n < p.N; ++n)
+    for (int t = 0; t < p.B; ++t)
+      for (int h = 0; h < p.K; ++h)
+        for (int d = 0; d < p.D; ++d) {
+          const size_t from = static_cast<size_t>(((n * p.B + t) * p.K + h) * p.D + d);
+          const size_t to = static_cast<size_t>(n * 2 * E + (h * p.B + t) * p.D + d);
+          both[to] = p.kc[from];
+          both[to + static_cast<size_t>(E)] = p.vc[from];
+        }
+  TensorView kv = make_view(both.data(), DType::kFloat32, {p.N, p.K, p.B, p.D});
+  kv.strides[0] = 2 * E;
+  TensorView vv = kv;
+  vv.data = both.data() + E;
+  AttentionOptions opt;
+  opt.layout = CacheLayout::kHND;
+  paged_attention(p.ov(), p.qv(), kv, vv, p.btv(), p.lv(), opt);
   for (int s = 0; s < p.S; ++s)
     for (int h = 0; h < p.H; ++h)
       for (int d = 0; d < p.D; ++d) {
@@ -182,6 +205,13 @@ PA_TEST(cpu_decode_variants_match_double_reference) {
   PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), TypeMismatch);
   bad.sinks = make_view(sinks.data(), DType::kFloat32, {p.H - 1});
   PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+        const double want = p.ref(s, h, d);
+        if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+          PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
+      }
+  // A block stride below one block would make blocks overlap: refused.
+  kv.strides[0] = E - 1;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), kv, vv, p.btv(), p.lv(), opt), InvalidArgument);
 }
 
 PA_TEST(validation_errors_are_typed) {
@@ -254,11 +284,17 @@ PA_TEST(kv_cache_shape_layouts) {
   CacheShapes n = kv_cache_shape(10, 16, 8, 100, 2, CacheLayout::kNHD);
   PA_CHECK_EQ(n.key_ndim, 4);
   PA_CHECK_EQ(n.value[3], 100);
+  CacheShapes h = kv_cache_shape(10, 16, 8, 100, 2, CacheLayout::kHND);  // [N, K, B, D]
+  PA_CHECK_EQ(h.key_ndim, 4);
+  PA_CHECK_EQ(h.key[1], 8);
+  PA_CHECK_EQ(h.key[2], 16);
+  PA_CHECK_EQ(h.value[3], 100);
 }
 
 PA_TEST(parsers_reject_unknown_names) {
   PA_CHECK(parse_layout("nhd") == CacheLayout::kNHD);
-  PA_CHECK_THROWS(parse_layout("hnd"), InvalidArgument);
+  PA_CHECK(parse_layout("hnd") == CacheLayout::kHND);
+  PA_CHECK_THROWS(parse_layout("hdn"), InvalidArgument);
   PA_CHECK(parse_kv_cache_dtype("fp8") == KVCacheDType::kFp8E4M3);
   PA_CHECK_THROWS(parse_kv_cache_dtype("fp4"), InvalidArgument);
   PA_CHECK(parse_dtype("bfloat16") == DType::kBFloat16);

@@ -30,7 +30,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
 # "every supported X" iterate these; tests of chosen values keep their own lists.
 SUPPORTED = pagedattn.supported()
 DTYPE_NAMES = list(SUPPORTED["dtypes"])
-LAYOUTS = list(SUPPORTED["layouts"])
+# Every layout; LAYOUTS: those the rank tells apart, for the tests whose calls pass no
+# layout= ("hnd" has "nhd"'s rank: test_layouts.py and test_cuda_layouts.py run every op
+# on it, with layout="hnd").
+ALL_LAYOUTS = list(SUPPORTED["layouts"])
+LAYOUTS = [name for name in ALL_LAYOUTS if name != "hnd"]
 KV_CACHE_DTYPES = list(SUPPORTED["kv_cache_dtypes"])
 FP8_KV_CACHE_DTYPES = [k for k in KV_CACHE_DTYPES if k != "auto"]
 CUDA_HEAD_SIZES = list(SUPPORTED["cuda_head_sizes"])

@@ -166,8 +166,8 @@ def test_kv_cache_shape_errors(args, exc, words):
 
 
 def test_kv_cache_shape_layout_error():
-    with pytest.raises(ValueError, match='layout: got "hnd", expected "vllm" or "nhd"'):
-        pagedattn.kv_cache_shape(4, 16, 2, 64, "float16", layout="hnd")
+    with pytest.raises(ValueError, match='layout: got "hdn", expected "vllm", "nhd" or "hnd"'):
+        pagedattn.kv_cache_shape(4, 16, 2, 64, "float16", layout="hdn")
 
 
 @pytest.mark.parametrize("dtype,x", [(np.float32, 4), (np.float16, 8), ("bfloat16", 8), ("fp8_e4m3", 16),

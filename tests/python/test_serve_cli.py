@@ -207,12 +207,12 @@ def test_help_states_the_bounds():
 def test_cuda_block_size_is_checked_before_the_backend_is_built(monkeypatch, capsys):
     parser = cli.ArgumentParser()
     cli.add_serve_arguments(parser)
-    args = parser.parse_args(["--requests", "4", "--block-size", "64", "--quiet"])
+    args = parser.parse_args(["--requests", "4", "--block-size", "48", "--quiet"])  # not a power of two
     monkeypatch.setattr(cli, "_resolve_device", lambda device, lib: "cuda")
     monkeypatch.setattr(cli, "make_backend", lambda *a: pytest.fail("the backend must not be built"))
     assert cli.serve(args) == 2
     err = capsys.readouterr().err
-    assert "--block-size" in err and "64" in err and len(err.strip().splitlines()) == 1
+    assert "--block-size" in err and "48" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_pool_that_cannot_be_allocated_is_a_clean_error(monkeypatch, capsys):

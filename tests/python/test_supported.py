@@ -68,7 +68,7 @@ def _decode(rng, dtype_name, layout, kv_cache_dtype, *, head_size=16, block_size
         t = np.arange(lens[i])
         slots.append(tables[i, t // block_size].astype(np.int64) * block_size + t % block_size)
     slots = np.concatenate(slots)
-    scales = dict(k_scale=0.05, v_scale=0.02) if fp8 else {}
+    scales = dict(k_scale=0.05, v_scale=0.02, layout=layout) if fp8 else dict(layout=layout)
     key = (rng.standard_normal((len(slots), kh, head_size)) * (3 if fp8 else 1)).astype(dtype)
     value = rng.standard_normal((len(slots), kh, head_size)).astype(dtype)
     pagedattn.reshape_and_cache(key, value, key_cache, value_cache, slots, kv_cache_dtype=kv_cache_dtype, **scales)
@@ -113,7 +113,7 @@ def _names_all(message: str, values) -> bool:
 
 def test_unlisted_layout_is_refused_with_the_list():
     with pytest.raises(ValueError, match="layout") as e:
-        pagedattn.kv_cache_shape(4, 16, 2, 64, "float16", "hnd")
+        pagedattn.kv_cache_shape(4, 16, 2, 64, "float16", "bhnd")
     assert _names_all(str(e.value), SUPPORTED["layouts"]), str(e.value)
 
 

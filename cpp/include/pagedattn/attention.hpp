@@ -67,16 +67,27 @@ struct AttentionOptions {
   // -inf is no sink, +inf gives zeros, NaN gives NaN rows (the contents are not checked).
   // A row without a finite logit (non-finite inputs) is NaN with or without a sink.
   std::optional<TensorView> sinks;
+  // The caches' layout. Absent: "vllm" for a rank-5 key_cache, "nhd" for a rank-4 one;
+  // an "hnd" cache must be named (see paged_attention).
+  std::optional<CacheLayout> layout;
 };
 
 // out[s, h, :] = softmax(scale * q[s, h] . K[s, kv(h)] + alibi) @ V[s, kv(h)]
 //   out          [S, H, D] (written; may be strided in dims 0-1; not read_only)
 //   query        [S, H, D] (may be strided in dims 0-1)
-//   key_cache    vllm [N, K, D/x, B, x] | nhd [N, B, K, D]
-//   value_cache  vllm [N, K, D, B]      | nhd [N, B, K, D]
+//   key_cache    vllm [N, K, D/x, B, x] | nhd [N, B, K, D] | hnd [N, K, B, D]
+//   value_cache  vllm [N, K, D, B]      | nhd [N, B, K, D] | hnd [N, K, B, D]
 //   block_tables int32 [S, M]
 //   seq_lens     int32 [S]
 // Query head h reads KV head h / (H / K). A sequence of length 0 yields zeros.
+//
+// Caches: each block (dims 1..) C-contiguous; the block stride (dim 0) may be anything
+// >= one block's elements, so the key and value halves of a per-layer [N, 2, ...] or
+// [2, N, ...] allocation are taken as they are (on CUDA the block stride must be a
+// multiple of 16 bytes). Layout: options.layout, or from the rank when absent: rank 5 is
+// "vllm", rank 4 is "nhd" (its meaning before "hnd" existed). An "hnd" cache must be
+// passed with layout = kHND; a rank-4 cache without a layout whose "nhd" reading does not
+// fit num_heads (dim 2 does not divide H) while its "hnd" reading does is refused.
 //
 // Varlen form (options.query_start_loc given): query and out are [T, H, D] and sequence
 // i owns rows qsl[i] .. qsl[i + 1] (qsl[0] = 0, non-decreasing, qsl[S] = T). Those
@@ -123,6 +134,9 @@ class PreparedDecode {
 
 struct CacheWriteOptions {
   KVCacheDType kv_cache_dtype = KVCacheDType::kAuto;
+  // As AttentionOptions::layout; without it a rank-4 cache whose dim 2 is not the new
+  // keys' num_kv_heads while its dim 1 is is refused (an "hnd" cache must be named).
+  std::optional<CacheLayout> layout;
   float k_scale = 1.0f;  // fp8 caches: stored = value / k_scale, saturated
   float v_scale = 1.0f;
   void* stream = nullptr;
@@ -130,6 +144,9 @@ struct CacheWriteOptions {
 
 // key_cache / value_cache[slot_mapping[t]] = key / value[t] for every t with slot >= 0.
 //   key, value   [T, K, D] (may be strided in dims 0-1)
+//   key_cache, value_cache  as in paged_attention (block-strided views accepted); key_cache
+//                and value_cache may be views of one allocation as long as no block of
+//                one overlaps a block of the other
 //   slot_mapping int32 or int64 [T]; slot = block * B + offset; negative = skip
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,

@@ -2,7 +2,9 @@
 //
 // Dimension legend: N = num_blocks of a cache, P = number of (src, dst) block pairs.
 // A "block" of a cache array is its slice [n] along the first dimension, in every
-// layout (vllm key [N, K, D/x, B, x], vllm value [N, K, D, B], nhd [N, B, K, D]).
+// layout (vllm key [N, K, D/x, B, x], vllm value [N, K, D, B], nhd [N, B, K, D],
+// hnd [N, K, B, D]). Every block (dims 1..) must be C-contiguous; blocks may lie any
+// block stride >= one block apart (the key or value half of an [N, 2, ...] allocation).
 #pragma once
 
 #include <cstddef>
@@ -15,7 +17,7 @@
 namespace pagedattn {
 
 // For every pair p and every array a of `caches`: a[mapping[p, 1]] = a[mapping[p, 0]].
-//   caches         arrays [N_a, ...], C-contiguous, all on one device (host or one GPU);
+//   caches         arrays [N_a, ...], blocks C-contiguous, all on one device (host or one GPU);
 //                  typically every layer's key and value cache: one launch on CUDA
 //   block_mapping  int64 or int32 [P, 2] (src, dst), C-contiguous; in host memory, or
 //                  on the caches' GPU (then its entries cannot be checked before the
@@ -28,7 +30,7 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
 
 // For every pair p: dst[mapping[p, 1]] = src[mapping[p, 0]].
 //   src, dst       [N_src, ...] and [N_dst, ...]: same dtype and block shape (dims 1..);
-//                  C-contiguous; any of: GPU -> pinned host, pinned host -> GPU,
+//                  blocks C-contiguous; any of: GPU -> pinned host, pinned host -> GPU,
 //                  GPU -> same GPU, host -> host. Pageable host memory works too, but
 //                  CUDA then copies synchronously.
 //   block_mapping  int64 or int32 [P, 2] in host memory (it is read on the host, once,

@@ -16,6 +16,9 @@ inline constexpr std::array<DType, 3> kDTypes = {DType::kFloat32, DType::kFloat1
 inline constexpr std::array<KVCacheDType, 3> kKVCacheDTypes = {KVCacheDType::kAuto, KVCacheDType::kFp8E4M3,
                                                                KVCacheDType::kFp8E5M2};
 
+// Cache layouts (see CacheLayout), in every op and on every backend.
+inline constexpr std::array<CacheLayout, 3> kLayouts = {CacheLayout::kVLLM, CacheLayout::kNHD, CacheLayout::kHND};
+
 // CPU: any head size and block size the layout allows, up to these bounds.
 inline constexpr int kCpuMaxHeadSize = 1024;
 inline constexpr int kCpuMaxBlockSize = 1024;
@@ -30,8 +33,10 @@ inline constexpr int kCacheChunkBytes = 16;
 inline constexpr std::array<int, 7> kCudaHeadSizes = {64, 80, 96, 112, 128, 192, 256};
 inline constexpr int kCudaHeadSizeAlign = 8;
 inline constexpr int kCudaMaxHeadSize = 256;
-// CUDA: block sizes with a specialised kernel; others are refused with a clear error.
-inline constexpr std::array<int, 3> kCudaBlockSizes = {8, 16, 32};
+// CUDA: block (page) sizes, every power of two from 1 to 256; others are refused with a
+// clear error. The kernels take the size at run time (no instantiation per size): token
+// t's block is block_tables[t / B], its slot t % B.
+inline constexpr std::array<int, 9> kCudaBlockSizes = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 
 // Attention variants: options of AttentionOptions (and keywords of the Python calls),
 // on every backend, in the decode and varlen forms, alone or combined.
@@ -44,6 +49,7 @@ bool is_cuda_block_size(int block_size) noexcept;
 std::string dtypes_str();
 std::string cuda_head_sizes_str();
 std::string cuda_block_sizes_str();
+std::string layouts_str();  // "\"vllm\", \"nhd\", \"hnd\""
 
 }  // namespace supported
 }  // namespace pagedattn

@@ -37,12 +37,17 @@ const char* device_name(DeviceKind d) noexcept;
 // "float8_e5m2") map to uint8. Throws InvalidArgument naming `arg` otherwise.
 DType parse_dtype(const std::string& name, const char* arg = "dtype");
 
-// How the paged KV cache is laid out in memory; told apart by the rank of key_cache.
+// How the paged KV cache is laid out in memory. The rank of key_cache tells "vllm" (5)
+// from the rank-4 layouts; "nhd" and "hnd" share a rank, so a call names "hnd" with its
+// layout option (a rank-4 cache without one is read as "nhd": see paged_attention).
+// Every layout may have a block stride of its own (dimension 0 of a cache array): a
+// cache may be a view of a larger allocation, e.g. the key half of [N, 2, ...].
 enum class CacheLayout : std::uint8_t {
   kVLLM,  // key [num_blocks, num_kv_heads, head_size/x, block_size, x],
           //   x = supported::kCacheChunkBytes / elem size
           // value [num_blocks, num_kv_heads, head_size, block_size]
   kNHD,   // key and value [num_blocks, block_size, num_kv_heads, head_size]
+  kHND,   // key and value [num_blocks, num_kv_heads, block_size, head_size]
 };
 
 // Element type stored in the KV cache. kAuto: the same dtype as the query / new keys.
@@ -52,7 +57,7 @@ enum class KVCacheDType : std::uint8_t { kAuto, kFp8E4M3, kFp8E5M2 };
 
 const char* layout_name(CacheLayout l) noexcept;
 const char* kv_cache_dtype_name(KVCacheDType k) noexcept;
-// Parses "vllm" / "nhd"; throws InvalidArgument naming `arg` otherwise.
+// Parses "vllm" / "nhd" / "hnd"; throws InvalidArgument naming `arg` otherwise.
 CacheLayout parse_layout(const std::string& s, const char* arg = "layout");
 // Parses "auto" / "fp8_e4m3" (alias "fp8") / "fp8_e5m2"; throws InvalidArgument otherwise.
 KVCacheDType parse_kv_cache_dtype(const std::string& s, const char* arg = "kv_cache_dtype");
