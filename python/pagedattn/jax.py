@@ -83,6 +83,7 @@ def paged_attention(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     sinks: Any = None,
+    layout: Optional[str] = None,
 ) -> jax.Array:
     """Paged attention over a paged KV cache; returns a new array like the query.
 
@@ -106,6 +107,8 @@ def paged_attention(
         attrs["scale"] = np.float32(scale)
     if max_query_len is not None:
         attrs["max_query_len"] = np.int64(max_query_len)
+    if layout is not None:
+        attrs["layout"] = str(layout)
     # Arrays the call may go without follow the five it always has, named in order by the
     # attribute "operands" (XLA has no optional operands).
     optional = {"alibi_slopes": alibi_slopes, "query_start_loc": query_start_loc, "sinks": sinks}
@@ -126,6 +129,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    layout: Optional[str] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes key / value [T, K, D] into their cache slots; returns the updated caches.
 
@@ -139,6 +143,8 @@ def reshape_and_cache(
         "k_scale": np.float32(k_scale),
         "v_scale": np.float32(v_scale),
     }
+    if layout is not None:
+        attrs["layout"] = str(layout)
     call = jax.ffi.ffi_call(
         _CACHE_WRITE,
         (_shape_dtype(key_cache), _shape_dtype(value_cache)),

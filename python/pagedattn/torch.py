@@ -67,6 +67,7 @@ ATTENTION_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("sliding_window", "int", 0),
     ("soft_cap", "float", 0.0),
     ("sinks", "Tensor?", None),
+    ("layout", "str?", None),
 )
 # Operator arguments named differently from the plain call's keyword: Inductor's lowering of
 # an operator passes its arguments next to its own `kernel` parameter, so no argument may be
@@ -77,6 +78,7 @@ CACHE_WRITE_OPTIONS: tuple[tuple[str, str, Any], ...] = (
     ("kv_cache_dtype", "str", "auto"),
     ("k_scale", "float", 1.0),
     ("v_scale", "float", 1.0),
+    ("layout", "str?", None),
 )
 
 

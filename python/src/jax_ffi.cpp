@@ -157,6 +157,7 @@ bool read_option(const Attrs& a, std::string_view name, AttentionOptions& o) {
   else if (name == "check_block_tables") o.check_block_tables = a.get<bool>(name);
   else if (name == "sliding_window") o.sliding_window = int_attr(a, name);
   else if (name == "soft_cap") o.soft_cap = a.get<float>(name);
+  else if (name == "layout") o.layout = parse_layout(a.str(name), "layout");
   else if (name == "operands") {}  // read by the caller
   else return false;
   return true;
@@ -246,6 +247,7 @@ ffi::Error reshape_and_cache_impl(const Place& at, ffi::AnyBuffer key, ffi::AnyB
       if (name == "kv_cache_dtype") o.kv_cache_dtype = parse_kv_cache_dtype(a.str(name));
       else if (name == "k_scale") o.k_scale = a.get<float>(name);
       else if (name == "v_scale") o.v_scale = a.get<float>(name);
+      else if (name == "layout") o.layout = parse_layout(a.str(name), "layout");
       else return false;
       return true;
     });

@@ -120,7 +120,7 @@ def make_problem(
     slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
     k_new = rng.standard_normal((len(slots), num_kv_heads, head_size)).astype(dtype)
     v_new = rng.standard_normal((len(slots), num_kv_heads, head_size)).astype(dtype)
-    pagedattn.reference.reshape_and_cache_ref(k_new, v_new, key_cache, value_cache, slots)
+    pagedattn.reference.reshape_and_cache_ref(k_new, v_new, key_cache, value_cache, slots, layout=layout)
     query = rng.standard_normal((len(seq_lens), num_heads, head_size)).astype(dtype)
     slopes = None
     if alibi:

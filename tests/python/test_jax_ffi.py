@@ -397,6 +397,34 @@ def test_variants_under_jit(pj, device, rng):
 
 
 @needs_handlers
+def test_hnd_layout_under_jit(pj, device, rng):
+    """layout="hnd" reaches both calls: a jitted write then attention over [N, K, B, D] caches."""
+    H, K, D, B = 4, 2, 64, 16
+    kshape, vshape = pagedattn.kv_cache_shape(8, B, K, D, np.float32, layout="hnd")
+    kc = rng.standard_normal(kshape).astype(np.float32)
+    vc = rng.standard_normal(vshape).astype(np.float32)
+    bt = np.array([[3, 5], [6, 1]], np.int32)
+    sl = np.array([20, 7], np.int32)
+    k = rng.standard_normal((2, K, D)).astype(np.float32)
+    v = rng.standard_normal((2, K, D)).astype(np.float32)
+    slots = np.array([5 * B + 3, 6 * B + 6])  # the last token of each sequence
+    q = rng.standard_normal((2, H, D)).astype(np.float32)
+    want_k, want_v = kc.copy(), vc.copy()
+    for t, slot in enumerate(slots):
+        want_k[slot // B, :, slot % B] = k[t]
+        want_v[slot // B, :, slot % B] = v[t]
+    ref = paged_attention_ref(q, want_k, want_v, bt, sl, layout="hnd")
+
+    def step(q, k, v, kc, vc, slots, bt, sl):
+        kc, vc = pj.reshape_and_cache(k, v, kc, vc, slots, layout="hnd")
+        return pj.paged_attention(q, kc, vc, bt, sl, layout="hnd"), kc
+
+    out, new_k = jax.jit(step)(*_put(device, q, k, v, kc, vc, slots, bt, sl))
+    assert_close(_np(out), ref, np.float32)
+    np.testing.assert_array_equal(_np(new_k), want_k)
+
+
+@needs_handlers
 def test_fp8_caches_typed_or_uint8(pj, device, rng):
     """An fp8 cache may be a uint8 array or a float8 array of the same bytes: both give the
     eager call's bytes and output."""

@@ -111,6 +111,7 @@ def _opcheck_cases(rng, device):
         ("variants", ops.paged_attention.default, vargs,
          {"query_start_loc": qsl, "max_query_len": mql, "sliding_window": 3, "soft_cap": 5.0,
           "sinks": torch.rand(h, device=device)}),
+        ("hnd", ops.paged_attention.default, _problem(rng, device, layout="hnd")[1], {"layout": "hnd"}),
         ("out", ops.paged_attention.out, args, {"out": torch.empty_like(q)}),
         ("out_varlen", ops.paged_attention.out, vargs,
          {"out": torch.empty_like(vargs[0]), "query_start_loc": qsl, "max_query_len": mql}),
