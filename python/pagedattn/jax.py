@@ -90,8 +90,9 @@ def paged_attention(
     The arguments and options are those of :func:`pagedattn.paged_attention` (shapes,
     layouts, the varlen form with ``query_start_loc`` and ``max_query_len``, ALiBi, fp8
     caches, ``sliding_window``, ``soft_cap`` and ``sinks``), without ``out``,
-    ``workspace`` and ``stream``: XLA allocates the output and gives the stream. An fp8 cache is a uint8 array, or a float8_e4m3fn / float8_e5m2
-    array with the matching ``kv_cache_dtype``. Options must be static Python values.
+    ``workspace`` and ``stream``: XLA allocates the output and gives the stream. An fp8
+    cache is a uint8 array, or a float8_e4m3fn / float8_e5m2 array with the matching
+    ``kv_cache_dtype``. Options must be static Python values.
     """
     attrs: dict[str, Any] = {
         "kv_cache_dtype": str(kv_cache_dtype),
