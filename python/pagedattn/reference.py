@@ -137,6 +137,7 @@ def _attend(
     vv = np.repeat(v, group, axis=1)
     logits = np.einsum("nhd,lhd->hnl", q, kk) * scale
     if soft_cap:
+        soft_cap = float(np.float32(soft_cap))  # the library holds the cap as float32
         logits = soft_cap * np.tanh(logits / soft_cap)
     rel = (k_start + np.arange(length))[None, :] - q_pos[:, None]  # [n, L]: t - p
     if alibi_slopes is not None:

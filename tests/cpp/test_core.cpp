@@ -159,6 +159,31 @@ PA_TEST(cpu_decode_variants_match_double_reference) {
   opt.soft_cap = 1.5f;
   opt.sinks = make_view(sinks.data(), DType::kFloat32, {p.H});
   paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), opt);
+  for (int s = 0; s < p.S; ++s)
+    for (int h = 0; h < p.H; ++h)
+      for (int d = 0; d < p.D; ++d) {
+        const double got = p.out[static_cast<size_t>((s * p.H + h) * p.D + d)];
+        const double want = p.ref(s, h, d, window, 1.5, sinks[static_cast<size_t>(h)]);
+        if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
+          PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
+      }
+  // without the window the released block is read: an error naming it
+  AttentionOptions plain;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), plain), OutOfRange);
+  AttentionOptions bad;
+  bad.sliding_window = -3;
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+  bad = {};
+  bad.soft_cap = std::numeric_limits<float>::quiet_NaN();
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+  bad = {};
+  std::vector<double> sinks64(static_cast<size_t>(p.H));
+  bad.sinks = make_view(sinks64.data(), DType::kFloat64, {p.H});
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), TypeMismatch);
+  bad.sinks = make_view(sinks.data(), DType::kFloat32, {p.H - 1});
+  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
+}
+
 // The problem's caches re-laid as "hnd" [N, K, B, D] halves of one [N, 2, K, B, D]
 // allocation (NaN between the used slots): key and value blocks interleaved, each cache
 // a block-strided view.
@@ -186,25 +211,6 @@ PA_TEST(cpu_decode_reads_hnd_halves_of_one_allocation) {
     for (int h = 0; h < p.H; ++h)
       for (int d = 0; d < p.D; ++d) {
         const double got = p.out[static_cast<size_t>((s * p.H + h) * p.D + d)];
-        const double want = p.ref(s, h, d, window, 1.5, sinks[static_cast<size_t>(h)]);
-        if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
-          PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);
-      }
-  // without the window the released block is read: an error naming it
-  AttentionOptions plain;
-  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), plain), OutOfRange);
-  AttentionOptions bad;
-  bad.sliding_window = -3;
-  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
-  bad = {};
-  bad.soft_cap = std::numeric_limits<float>::quiet_NaN();
-  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
-  bad = {};
-  std::vector<double> sinks64(static_cast<size_t>(p.H));
-  bad.sinks = make_view(sinks64.data(), DType::kFloat64, {p.H});
-  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), TypeMismatch);
-  bad.sinks = make_view(sinks.data(), DType::kFloat32, {p.H - 1});
-  PA_CHECK_THROWS(paged_attention(p.ov(), p.qv(), p.kv(), p.vv(), p.btv(), p.lv(), bad), InvalidArgument);
         const double want = p.ref(s, h, d);
         if (!(std::fabs(got - want) <= 1e-5 + 1e-5 * std::fabs(want)))
           PA_FAIL_AT("out[" << s << "," << h << "," << d << "] = " << got << ", expected " << want);

@@ -175,7 +175,10 @@ def test_plan_follows_the_window(rng):
     short = pagedattn.decode_plan(8, 32, 8, 128, 16, (4096 + 16) // 16, "bfloat16")
     full = pagedattn.decode_plan(*args)
     assert windowed == short
-    assert windowed["ctas"] < full["ctas"]
+    assert windowed["ctas"] <= full["ctas"]  # b8: both may be single-pass grids
+    # one sequence of 32k splits its context into many partitions; its window into fewer
+    one = (1, 32, 8, 128, 16, 2048, "bfloat16")
+    assert pagedattn.decode_plan(*one, sliding_window=4096)["ctas"] < pagedattn.decode_plan(*one)["ctas"]
     assert pagedattn.decode_plan(*args, sliding_window=2**31 - 1) == full
     assert pagedattn.decode_plan(*args, soft_cap=30.0) == full
     ws = pagedattn.decode_workspace_size(*args, sliding_window=4096, kernel="partitioned")

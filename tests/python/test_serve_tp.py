@@ -138,6 +138,7 @@ def test_torchrun_serves_on_two_ranks_and_reports_communication(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "pagedattn", "--tensor-parallel", "2", "--requests", "6", "--quiet", "--json", str(out),
+        "--device", "cpu",  # two gloo ranks on any host (a one-GPU host cannot hold two NCCL ranks)
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
