@@ -109,11 +109,26 @@ __device__ __forceinline__ std::uint32_t fp8x2_to(std::uint32_t v) {
   }
 }
 
-// The stored fp8 byte of v / scale: the exact quotient rounded to nearest even,
-// saturating, NaN kept (fp8_codec.hpp, the definition the CPU backend shares).
-template <KVCacheDType F>
-__device__ __forceinline__ std::uint8_t encode_fp8(float v, float scale) {
-  return fp8::encode(v, scale, fp8::format_of(F));
+// An element as the float the fp8 encoder takes: exact, and with the sign of a NaN
+// kept, since the stored code keeps it (-NaN: 0xff e4m3, 0xfe e5m2). Not to_float:
+// __half2float compiles to an f16 add on sm_80+ (HADD2.F32), whose NaN result is the
+// canonical, positive NaN. It converts every other value exactly, sign included, so
+// OR-ing the f16 sign bit back in changes NaN only. bf16 -> float is the bits shifted.
+__device__ __forceinline__ float fp8_source_float(float v) { return v; }
+__device__ __forceinline__ float fp8_source_float(__half v) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(__half_as_ushort(v) & 0x8000u) << 16;
+  return __uint_as_float(__float_as_uint(__half2float(v)) | sign);
+}
+__device__ __forceinline__ float fp8_source_float(__nv_bfloat16 v) {
+  return __uint_as_float(static_cast<std::uint32_t>(__bfloat16_as_ushort(v)) << 16);
+}
+
+// The stored fp8 byte of v / scale for an element v (float, f16 or bf16): the exact
+// quotient rounded to nearest even, saturating, NaN kept with its sign (fp8_codec.hpp,
+// the definition the CPU backend shares). Pass the element itself, not to_float of it.
+template <KVCacheDType F, class T>
+__device__ __forceinline__ std::uint8_t encode_fp8(T v, float scale) {
+  return fp8::encode(fp8_source_float(v), scale, fp8::format_of(F));
 }
 
 // ---------------------------------------------------------------------------------

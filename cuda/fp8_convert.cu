@@ -38,12 +38,12 @@ __global__ void quantize_kernel(const __grid_constant__ Fp8KernelParams p) {
     std::uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      lo |= static_cast<std::uint32_t>(encode_fp8<F>(to_float(in.v[j]), p.scale)) << (8 * j);
-      hi |= static_cast<std::uint32_t>(encode_fp8<F>(to_float(in.v[j + 4]), p.scale)) << (8 * j);
+      lo |= static_cast<std::uint32_t>(encode_fp8<F>(in.v[j], p.scale)) << (8 * j);
+      hi |= static_cast<std::uint32_t>(encode_fp8<F>(in.v[j + 4], p.scale)) << (8 * j);
     }
     reinterpret_cast<uint2*>(dst)[g] = make_uint2(lo, hi);
   }
-  for (std::int64_t i = p.vec_steps * kVec + first; i < p.n; i += stride) dst[i] = encode_fp8<F>(to_float(src[i]), p.scale);
+  for (std::int64_t i = p.vec_steps * kVec + first; i < p.n; i += stride) dst[i] = encode_fp8<F>(src[i], p.scale);
 }
 
 // The output of code c: its value times scale, rounded once to T (exact product in double).
