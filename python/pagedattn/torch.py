@@ -127,6 +127,20 @@ def _op(name: str, schema: str, mutates: Sequence[str], impl: Callable[..., Any]
     return torch.library.custom_op(f"{_NS}::{name}", impl, mutates_args=tuple(mutates), schema=schema)
 
 
+# The writing operators are defined on this library, which owns every kernel they have: the
+# implementation, and the Autograd and ADInplaceOrView kernels below (custom_op registers its
+# own kernels for those keys, and torch versions differ in whether a second registration may
+# replace them).
+_lib = torch.library.Library(_NS, "FRAGMENT")
+
+
+def _writing_op(name: str, schema: str, impl: Callable[..., Any]) -> str:
+    qualname = f"{_NS}::{name}"
+    torch.library.define(qualname, schema, lib=_lib, tags=(torch.Tag.pt2_compliant_tag,))
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    return qualname
+
+
 # ---- implementations: the plain calls on the tensors (stream: torch's current one) ----
 
 
@@ -158,10 +172,10 @@ def _swap_blocks_impl(src, dst, block_mapping):
 
 
 _attention = _op("paged_attention", _ATTENTION_SCHEMA, (), _attention_impl)
-_attention_out = _op("paged_attention.out", _ATTENTION_OUT_SCHEMA, ("out", "workspace"), _attention_out_impl)
-_cache_write = _op("reshape_and_cache", _CACHE_WRITE_SCHEMA, ("key_cache", "value_cache"), _cache_write_impl)
-_copy_blocks = _op("copy_blocks", _COPY_BLOCKS_SCHEMA, ("key_caches", "value_caches"), _copy_blocks_impl)
-_swap_blocks = _op("swap_blocks", _SWAP_BLOCKS_SCHEMA, ("dst",), _swap_blocks_impl)
+_attention_out = _writing_op("paged_attention.out", _ATTENTION_OUT_SCHEMA, _attention_out_impl)
+_cache_write = _writing_op("reshape_and_cache", _CACHE_WRITE_SCHEMA, _cache_write_impl)
+_copy_blocks = _writing_op("copy_blocks", _COPY_BLOCKS_SCHEMA, _copy_blocks_impl)
+_swap_blocks = _writing_op("swap_blocks", _SWAP_BLOCKS_SCHEMA, _swap_blocks_impl)
 
 
 # ---- fake implementations: shapes from metadata, and the checks metadata allows ----
@@ -224,7 +238,7 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, *options):
     return query.new_empty(query.shape)
 
 
-@_attention_out.register_fake
+@torch.library.register_fake(_attention_out, lib=_lib)
 def _(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None, *options):
     op, options = "paged_attention.out", _named(_ATTENTION_KEYWORDS, options)
     _check_attention(op, query, key_cache, value_cache, block_tables, seq_lens, options)
@@ -236,7 +250,7 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, out, workspace=None
     )  # fmt: skip
 
 
-@_cache_write.register_fake
+@torch.library.register_fake(_cache_write, lib=_lib)
 def _(key, value, key_cache, value_cache, slot_mapping, *options):
     op = "reshape_and_cache"
     _check_devices(op, key.device, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
@@ -254,12 +268,12 @@ def _check_block_mapping(op: str, block_mapping: torch.Tensor) -> None:
     _expect(block_mapping.shape[1] == 2, op, f"block_mapping: expected [P, 2], got shape {_shape(block_mapping)}")
 
 
-@_copy_blocks.register_fake
+@torch.library.register_fake(_copy_blocks, lib=_lib)
 def _(key_caches, value_caches, block_mapping):
     _check_block_mapping("copy_blocks", block_mapping)
 
 
-@_swap_blocks.register_fake
+@torch.library.register_fake(_swap_blocks, lib=_lib)
 def _(src, dst, block_mapping):
     _check_block_mapping("swap_blocks", block_mapping)
     _expect(
@@ -286,12 +300,11 @@ def _attention_backward(ctx, grad):
 _attention.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
-# The writing operators get their own Autograd and ADInplaceOrView kernels: the first refuses
-# grad, the second bumps the version counters of the written tensors by their (fixed)
-# positions. Both hand the call on with `redispatch`, so an eager call crosses the dispatcher
-# once (the generic kernels of custom_op re-bind every argument to the schema on each call,
-# which costs more than the library call itself).
-_lib = torch.library.Library(_NS, "IMPL")
+# The writing operators' Autograd and ADInplaceOrView kernels: the first refuses grad, the
+# second bumps the version counters of the written tensors by their (fixed) positions. Both
+# hand the call on with `redispatch`, so an eager call crosses the dispatcher once (generic
+# kernels that re-bind every argument to the schema on each call cost more than the library
+# call itself).
 
 
 def _writing_kernels(name: str, op: Any) -> None:

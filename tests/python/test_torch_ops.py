@@ -43,6 +43,26 @@ def _written(op) -> set:
     return {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
 
 
+def test_import_registers_each_kernel_once():
+    """Some torch versions refuse a second Python kernel for an operator's dispatch key (the
+    default of Library.impl's allow_override): the import registers each kernel once, so it
+    imports under that rule on any version."""
+    code = (
+        "import inspect, torch.library as L\n"
+        "impl = L.Library.impl\n"
+        "if 'allow_override' in inspect.signature(impl).parameters:\n"
+        "    def strict(self, *args, allow_override=False, **kwargs):\n"
+        "        return impl(self, *args, allow_override=allow_override, **kwargs)\n"
+        "    L.Library.impl = strict\n"
+        "import torch, pagedattn.torch\n"
+        "for name in ('paged_attention.out', 'reshape_and_cache', 'copy_blocks', 'swap_blocks'):\n"
+        "    for key in ('Autograd', 'ADInplaceOrView', 'CompositeExplicitAutograd'):\n"
+        "        assert torch._C._dispatch_has_kernel_for_dispatch_key('pagedattn::' + name, key), (name, key)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_schemas_declare_what_each_operator_writes():
     assert _written(ops.paged_attention.default) == set()
     assert _written(ops.paged_attention.out) == {"out", "workspace"}
