@@ -335,6 +335,26 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         }
         return;
       }
+      const char* kh_base = kc + kvh * head_bytes;  // the KV head's rows in block 0
+      const char* vh_base = vc + kvh * head_bytes;
+      if (!per_token) {
+        // One block id per half chunk: its block offsets computed once, each lane's pieces
+        // a plain strided loop (no shuffles: this loop is the kernel's copy issue rate).
+        const std::int64_t kA = static_cast<std::int64_t>(idA >= 0 ? idA : 0) * k_block_bytes;
+        const std::int64_t vA = static_cast<std::int64_t>(idA >= 0 ? idA : 0) * v_block_bytes;
+        const std::int64_t kB = static_cast<std::int64_t>(idB >= 0 ? idB : 0) * k_block_bytes;
+        const std::int64_t vB = static_cast<std::int64_t>(idB >= 0 ? idB : 0) * v_block_bytes;
+        for (int pi = lane; pi < 16 * nck; pi += 32) {
+          const int t = pi / nck, j = pi % nck;
+          const int tok = t0 + t;
+          const bool ok = tok < tok_end && (t < 8 ? idA : idB) >= 0;
+          const std::int64_t row = (tok % B) * tok_bytes + j * 16;
+          const int nb = ok ? min(16, row_bytes - j * 16) : 0;
+          cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kh_base + (t < 8 ? kA : kB) + row : kc, nb);
+          cp_async16(vs + v_off<C>(t, j), ok ? vh_base + (t < 8 ? vA : vB) + row : vc, nb);
+        }
+        return;
+      }
       for (int p0 = 0; p0 < 16 * nck; p0 += 32) {  // warp-uniform trip count: id_of shuffles
         const int pi = p0 + lane;
         const int t = min(pi / nck, 15), j = pi % nck;
@@ -343,10 +363,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         const int tok = t0 + t;
         const bool ok = tok < tok_end && id >= 0;
         const std::int64_t blk = ok ? id : 0;
-        const std::int64_t row = (tok % B) * tok_bytes + kvh * head_bytes + j * 16;
+        const std::int64_t row = (tok % B) * tok_bytes + j * 16;
         const int nb = ok ? min(16, row_bytes - j * 16) : 0;
-        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kc + blk * k_block_bytes + row : kc, nb);
-        cp_async16(vs + v_off<C>(t, j), ok ? vc + blk * v_block_bytes + row : vc, nb);
+        cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kh_base + blk * k_block_bytes + row : kc, nb);
+        cp_async16(vs + v_off<C>(t, j), ok ? vh_base + blk * v_block_bytes + row : vc, nb);
       }
     }
   };

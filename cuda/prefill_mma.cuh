@@ -306,21 +306,19 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
 
     // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
     // its own, so the plain call runs the same instructions as without the option
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < C::kBN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][n][e] *= p.qk_scale_log2;
     if (p.soft_cap_log2 > 0.f) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < C::kBN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < C::kBN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[mt][n][e] *= p.qk_scale_log2;
+          for (int e = 0; e < 4; ++e) sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.inv_soft_cap_log2);
     }
 
     const int t0 = kt * C::kBN;
