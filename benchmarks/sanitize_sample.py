@@ -54,6 +54,29 @@ for c in cases:
     torch.cuda.synchronize()
     assert_close(back(out), paged_attention_ref(*p.args(), alibi_slopes=p.alibi_slopes), c["dtype"], str(c))
 
+# page sizes from 1 to 256, the hnd layout, and the variants (a window over NaN slots,
+# soft cap, sinks), in decode and varlen calls
+for layout, bs, kern in (("nhd", 1, "partitioned"), ("hnd", 4, "single_pass"), ("vllm", 64, "partitioned"),
+                         ("hnd", 256, "auto"), ("vllm", 2, "auto")):  # fmt: skip
+    p = make_problem(rng, [0, 1, 37, 300], num_heads=8, num_kv_heads=2, head_size=64, block_size=bs,
+                     dtype=np.float16, layout=layout)  # fmt: skip
+    sinks = rng.standard_normal(8).astype(np.float32)
+    var = dict(sliding_window=24, soft_cap=20.0)
+    out = pagedattn.paged_attention(*[t(a) for a in p.args()], layout=layout, kernel=kern, partition_size=64,
+                                    sinks=t(sinks), **var)  # fmt: skip
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(*p.args(), layout=layout, sinks=sinks, **var)
+    assert_close(back(out), ref, np.float16, f"variants {layout} page {bs}")
+    q_lens = np.array([0, 1, 20, 150], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), 8, 64)).astype(np.float16)
+    args = [query, *p.args()[1:]]
+    out = pagedattn.paged_attention(*[t(a) for a in args], layout=layout, query_start_loc=t(qsl),
+                                    max_query_len=150, sinks=t(sinks), **var)  # fmt: skip
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(*args, layout=layout, query_start_loc=qsl, sinks=sinks, **var)
+    assert_close(back(out), ref, np.float16, f"varlen variants {layout} page {bs}")
+
 # fp8 caches written by the CUDA reshape_and_cache, read by decode
 for layout, head in (("vllm", 64), ("nhd", 72)):
     kshape, vshape = pagedattn.kv_cache_shape(6, 16, 2, head, "uint8", layout)
