@@ -18,28 +18,21 @@ import argparse
 import functools
 import itertools
 import json
+import os
+import sys
 
 import torch
 
 import pagedattn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import prefill_bench  # noqa: E402  (the benchmark folder is not a package)
+
 DEV = torch.device("cuda")
 
 
 def timed(fn, iters=30, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]  # µs
+    return prefill_bench.timed(fn, iters, warmup)  # CUDA-event median, us
 
 
 def make_case(seqs, heads, kv_heads, head_size, page, layout, g):
