@@ -1,6 +1,6 @@
 """Host cost of the torch operators against the plain calls, eager, on the same tensors.
 
-    python3 benchmarks/torch_op_host_cost.py [--calls N] [--rounds R] [--device cpu|cuda|all] [--json]
+    python3 benchmarks/torch_op_host_cost.py [--calls N] [--rounds R] [--device cpu|cuda|all] [--json [PATH]]
 
 For a tiny decode (so the kernel costs little next to the call) and for an empty batch (no
 kernel at all), the median microseconds per call of:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000, help="calls per method and round")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--json", nargs="?", const="-", help="the rows as JSON: to PATH, or printed without one")
     a = ap.parse_args()
     devices = ["cpu", "cuda"] if a.device == "all" else [a.device]
     if "cuda" in devices and not (torch.cuda.is_available() and pagedattn.built_with_cuda()):
@@ -98,9 +98,12 @@ def main() -> None:
             raise SystemExit("--device cuda: no CUDA device, or pagedattn built without CUDA")
         devices.remove("cuda")
     rows = [r for dev in devices for r in run(dev, a.calls, a.rounds)]
-    if a.json:
+    if a.json == "-":
         print(json.dumps(rows, indent=1))
         return
+    if a.json:  # the file, and the table below
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
     print(f"torch {torch.__version__}, pagedattn {pagedattn.__version__}; microseconds per call (median of rounds)")
     names = list(rows[0]["us_per_call"])
     print(f"{'device':6} {'case':11} {'mode':15} " + " ".join(f"{n:>13}" for n in names) + f" {'op - plain':>11}")

@@ -123,6 +123,22 @@ def test_quantize_special_values(kind):
     assert quantize(x, 1.0, kind).tolist() == [c[1] for c in cases]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_quantize_keeps_signs_from_16_bit_inputs(kind, dtype):
+    """NaN, infinities and zeros keep their sign from float16 / bfloat16 inputs too (a
+    conversion through an add would return the positive canonical NaN)."""
+    max_code, nan_code = FORMATS[kind]
+    cases = [(np.nan, nan_code), (-np.nan, 0x80 | nan_code), (np.inf, max_code), (-np.inf, 0x80 | max_code),
+             (0.0, 0x00), (-0.0, 0x80), (1.0, None), (-1.0, None)]  # fmt: skip
+    x = np.array([c[0] for c in cases], np.float32)
+    x16 = x.astype(np.float16) if dtype == "float16" else x.astype(ml_dtypes.bfloat16)
+    assert np.signbit(x16.astype(np.float32)).tolist() == [False, True, False, True, False, True, False, True]
+    got = pagedattn.quantize_fp8(x16, np.empty(x16.shape, np.uint8), fp8_dtype=kind).tolist()
+    assert got[:6] == [c[1] for c in cases[:6]]
+    assert got[7] == 0x80 | got[6]  # -1 is +1 with the sign bit
+
+
 def _midpoints(kind: str) -> np.ndarray:
     """Every midpoint between two adjacent positive finite fp8 values."""
     vals = pagedattn.reference.fp8_decode(np.arange(FORMATS[kind][0] + 1, dtype=np.uint8), kind)
