@@ -17,7 +17,6 @@ import pytest
 
 import pagedattn
 from conftest import (
-    BF16,
     CUDA_BLOCK_SIZES,
     CUDA_HEAD_SIZES,
     DTYPE_NAMES,
@@ -35,24 +34,9 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
+from torch_arrays import to_numpy, to_torch  # noqa: E402
+
 NP_DTYPES = {name: np_dtype(name) for name in DTYPE_NAMES}
-
-
-def to_torch(a):
-    """NumPy (incl. ml_dtypes bfloat16) -> torch CUDA tensor, same values."""
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
-    return torch.from_numpy(a).to(DEV)
-
-
-def to_numpy(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(BF16)
-    return t.numpy()
 
 
 def fp8_problem(rng, seq_lens, *, kind, dtype, layout, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,

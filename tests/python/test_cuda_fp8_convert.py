@@ -15,15 +15,10 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
+from torch_arrays import to_torch  # noqa: E402
+
 NP = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
 WIDE = [n for n in DTYPE_NAMES if NP.get(n) is not None]
-
-
-def to_torch(a):
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
-    return torch.from_numpy(a).to(DEV)
 
 
 def to_numpy(t, dtype):

@@ -13,7 +13,7 @@ import pytest
 from test_layouts import NAN_FP8, cache_pair, problem
 
 import pagedattn
-from conftest import ALL_LAYOUTS, BF16, CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, TOL, assert_close, np_dtype
+from conftest import ALL_LAYOUTS, CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, TOL, assert_close, np_dtype
 from pagedattn.reference import paged_attention_ref
 
 torch = pytest.importorskip("torch")
@@ -21,23 +21,10 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
+from torch_arrays import to_numpy, to_torch  # noqa: E402
+
 STORAGES = ["contiguous", "n2", "2n", "padded"]
 DTYPES = [d for d in ("float32", "float16", "bfloat16") if np_dtype(d) is not None]
-
-
-def to_torch(a):
-    """A NumPy array (bfloat16 included) as a CUDA tensor with the same values."""
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
-    return torch.from_numpy(a).to(DEV)
-
-
-def to_numpy(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(BF16)
-    return t.numpy()
 
 
 def view_on_gpu(view: np.ndarray, backing: list[np.ndarray], gpu_backing: list):

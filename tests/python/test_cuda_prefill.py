@@ -23,21 +23,9 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
+from torch_arrays import to_numpy, to_torch  # noqa: E402
+
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def to_torch(a):
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
-    return torch.from_numpy(a).to(DEV)
-
-
-def to_numpy(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(BF16)
-    return t.numpy()
 
 
 def varlen(

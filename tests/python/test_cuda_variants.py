@@ -19,7 +19,7 @@ import pytest
 from test_variants import COMBOS, make_fp8, make_varlen, poison_outside_window, sinks_for, variant_kw
 
 import pagedattn
-from conftest import BF16, CUDA_BLOCK_SIZES, CUDA_HEAD_SIZES, LAYOUTS, TOL, assert_close, make_problem, np_dtype
+from conftest import CUDA_BLOCK_SIZES, CUDA_HEAD_SIZES, LAYOUTS, TOL, assert_close, make_problem, np_dtype
 from pagedattn.reference import paged_attention_ref
 
 torch = pytest.importorskip("torch")
@@ -27,24 +27,10 @@ if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
 DEV = torch.device("cuda", 0)
+from torch_arrays import to_numpy, to_torch  # noqa: E402
+
 DTYPES = ["float16", "bfloat16", "float32"]  # tensor-core (16-bit) and CUDA-core (float32) kernels
 KERNELS = [("single_pass", 0), ("partitioned", 64), ("auto", 0)]
-
-
-def to_torch(a):
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(DEV)
-    return torch.from_numpy(a).to(DEV)
-
-
-def to_numpy(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(BF16)
-    return t.numpy()
 
 
 def run_cuda(p, qsl=None, *, alibi=True, **kw):

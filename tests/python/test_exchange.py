@@ -18,16 +18,15 @@ from pagedattn import _core
 from pagedattn.reference import paged_attention_ref
 
 torch = pytest.importorskip("torch")
+import torch_arrays  # noqa: E402  (needs torch)
+
 if not _core.exchange_api_available(torch.empty(0)):
     pytest.skip("this torch does not offer the DLPack C exchange API", allow_module_level=True)
 
 
 def to_torch(a):
     """NumPy (ml_dtypes bfloat16 included) -> torch CPU tensor with the same values."""
-    a = np.ascontiguousarray(a)
-    if BF16 is not None and a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    return torch_arrays.to_torch(a, "cpu")
 
 
 @pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
