@@ -110,3 +110,43 @@ function(pagedattn_configure_cuda_target tgt)
   endif()
   target_link_libraries(${tgt} PRIVATE CUDA::cudart_static)
 endfunction()
+
+# The Hopper kernels of cuda/sm90/ use sm_90a instructions (wgmma), which exist only in
+# machine code for exactly that target: they are compiled in an object library of their
+# own with -gencode arch=compute_90a,code=sm_90a (CUDA_ARCHITECTURES OFF: no other
+# target) and linked into `tgt`, which then selects them at run time on compute
+# capability 9.0 (PAGEDATTN_SM90_PREFILL=1). Only when CMAKE_CUDA_ARCHITECTURES names
+# 90 in some form (90, 90-real, 90a, ...): a build for other GPUs skips them.
+function(pagedattn_add_sm90_kernels tgt root)
+  set(want OFF)
+  foreach(a IN LISTS CMAKE_CUDA_ARCHITECTURES)
+    if(a MATCHES "^90")
+      set(want ON)
+    endif()
+  endforeach()
+  if(NOT want)
+    message(STATUS "pagedattn: Hopper (sm_90a) varlen kernels OFF (no 90 in CMAKE_CUDA_ARCHITECTURES)")
+    return()
+  endif()
+  message(STATUS "pagedattn: Hopper (sm_90a) varlen kernels ON")
+  file(GLOB sources CONFIGURE_DEPENDS "${root}/cuda/sm90/*.cu")
+  add_library(${tgt}_sm90 OBJECT ${sources})
+  set_target_properties(${tgt}_sm90 PROPERTIES
+    CUDA_ARCHITECTURES OFF
+    POSITION_INDEPENDENT_CODE ON
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Static)
+  target_include_directories(${tgt}_sm90 PRIVATE ${root} ${root}/cpp/src ${root}/cpp/include)
+  target_compile_definitions(${tgt}_sm90 PRIVATE PAGEDATTN_WITH_CUDA=1)
+  target_compile_options(${tgt}_sm90 PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a>)
+  if(PAGEDATTN_CUDA_LINEINFO)
+    target_compile_options(${tgt}_sm90 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+  endif()
+  if(CMAKE_CUDA_COMPILER_ID STREQUAL "NVIDIA" AND CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.8)
+    target_compile_options(${tgt}_sm90 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--compress-mode=size>)
+  endif()
+  target_sources(${tgt} PRIVATE $<TARGET_OBJECTS:${tgt}_sm90>)
+  target_compile_definitions(${tgt} PRIVATE PAGEDATTN_SM90_PREFILL=1)
+endfunction()

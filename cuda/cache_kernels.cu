@@ -28,9 +28,11 @@ struct CacheWriteKernelParams {
   float k_scale, v_scale;  // fp8: stored = fp8(real / scale)
 };
 
+// The stored form of element v: itself, or its fp8 byte of v / scale. The element goes in
+// as it is (not through float), so that fp8 keeps the sign of a float16 NaN.
 template <class T, class CT, KVCacheDType F>
-__device__ __forceinline__ CT encode(float v, float scale) {
-  if constexpr (F == KVCacheDType::kAuto) return from_float<CT>(v);
+__device__ __forceinline__ CT encode(T v, float scale) {
+  if constexpr (F == KVCacheDType::kAuto) return v;
   else return encode_fp8<F>(v, scale);
 }
 
@@ -50,8 +52,8 @@ __global__ void reshape_and_cache_kernel(const __grid_constant__ CacheWriteKerne
   [[maybe_unused]] const int B = p.block_size;
   for (int i = threadIdx.x; i < K * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
-    const float kv = to_float(static_cast<const T*>(p.key)[t * p.k_stride_tok + h * p.k_stride_head + d]);
-    const float vv = to_float(static_cast<const T*>(p.value)[t * p.v_stride_tok + h * p.v_stride_head + d]);
+    const T kv = static_cast<const T*>(p.key)[t * p.k_stride_tok + h * p.k_stride_head + d];
+    const T vv = static_cast<const T*>(p.value)[t * p.v_stride_tok + h * p.v_stride_head + d];
     std::int64_t ki, vi;
     if constexpr (L == CacheLayout::kVLLM) {
       ki = blk * p.k_block_stride + ((static_cast<std::int64_t>(h) * (D / p.x) + d / p.x) * B + off) * p.x + d % p.x;

@@ -23,6 +23,8 @@ const DeviceInfo& device_info(int device) {
              "cudaDeviceGetAttribute");
   check_cuda(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device),
              "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.cc_minor, cudaDevAttrComputeCapabilityMinor, device),
+             "cudaDeviceGetAttribute");
   // Peak DRAM rate = 2 transfers per memory clock (kHz) x bus width; copies measure about
   // 90% of it (H100 SXM: 3.35 TB/s peak, 3.03 measured; H200: 4.8, 4.28).
   int mem_khz = 0, bus_bits = 0;

@@ -11,6 +11,7 @@ struct DeviceInfo {
   int max_smem_per_block = 0;  // opt-in limit
   int max_smem_per_sm = 0;
   int cc_major = 0;   // compute capability (9 and up: programmatic dependent launch)
+  int cc_minor = 0;
   double mem_bw = 0;  // bytes per microsecond the decode can expect: 0.9 x the peak DRAM rate
   bool memory_pools = false;  // stream-ordered allocation (cudaMallocAsync), also during capture
 };

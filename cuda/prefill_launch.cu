@@ -6,13 +6,18 @@
 // ceil(T * G / rows per CTA) + S tiles, the CUDA-core kernel and checked calls bound = T. Nothing is allocated and
 // the host never waits, except with check_block_tables, which reads the call's error
 // record back (cuda/error_record.cuh).
+#include <cstdlib>
 #include <optional>
+#include <string_view>
 
 #include "cuda/decode_dispatch.cuh"
 #include "cuda/device.cuh"
 #include "cuda/error_record.cuh"
 #include "cuda/prefill_inst.cuh"
 #include "cuda/prefill_launch.cuh"
+#if PAGEDATTN_SM90_PREFILL
+#include "cuda/sm90/prefill_sm90.h"
+#endif
 
 // A tuning knob: -DPAGEDATTN_PREFILL_FLAT=0 gives the tensor-core kernel the per-sequence
 // grid as well (for A/B timing of the flat grid).
@@ -23,7 +28,30 @@
 namespace pagedattn::cuda_backend {
 namespace {
 
+// PAGEDATTN_PREFILL_KERNEL picks the varlen kernel family on Hopper, for A/B timing and
+// for testing each on a Hopper GPU: "mma" the sm_80 tensor-core kernel, "sm90sync" the
+// Hopper kernel without warp specialisation; unset, the warp-specialised Hopper kernel.
+// Read once.
+int prefill_kernel_choice() {
+  static const int choice = [] {
+    const char* e = std::getenv("PAGEDATTN_PREFILL_KERNEL");
+    if (e == nullptr) return 0;
+    if (std::string_view(e) == "mma") return 1;
+    if (std::string_view(e) == "sm90sync") return 2;
+    return 0;
+  }();
+  return choice;
+}
+
 DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
+#if PAGEDATTN_SM90_PREFILL
+  const DeviceInfo& dev = device_info(p.device_id);
+  if (dev.cc_major == 9 && dev.cc_minor == 0 && prefill_kernel_choice() != 1) {
+    const DecodeKernelInfo k = prefill_sm90_kernel(p.dtype, p.kv_cache_dtype, p.head_size, p.layout, p.block_size,
+                                                   prefill_kernel_choice() == 0);
+    if (k.func != nullptr) return k;
+  }
+#endif
   return select_by_types(p, [&](auto t, auto kc) {
     return prefill_kernel<typename decltype(t)::type, decltype(kc)::value>(p.head_size, p.layout);
   });

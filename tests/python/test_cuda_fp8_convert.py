@@ -150,3 +150,36 @@ def test_cuda_cache_writes_are_quantize_fp8_codes(rng, kind, dtype):
     host = np.zeros((t, k, d), np.uint8)
     pagedattn.quantize_fp8(key, host, scale=0.37, fp8_dtype=kind)
     assert np.array_equal(want_k.cpu().numpy(), host)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", WIDE)
+def test_cuda_cache_writes_keep_the_sign_of_nan_and_zero(kind, dtype, layout):
+    """-NaN, -0 and -inf written into an fp8 cache keep their sign, as quantize_fp8 and the
+    host write keep it (a float16 -NaN taken through float32 on the GPU would lose it)."""
+    max_code, nan_code = FORMATS[kind]
+    cases = [(np.nan, nan_code), (-np.nan, 0x80 | nan_code), (0.0, 0x00), (-0.0, 0x80), (np.inf, max_code),
+             (-np.inf, 0x80 | max_code), (-1.0e30, 0x80 | max_code), (1.0, None)]  # fmt: skip
+    t, k, d, b = 3, 2, 64, 16
+    with np.errstate(over="ignore"):
+        key = np.resize(np.array([c[0] for c in cases]), (t, k, d)).astype(NP[dtype])
+    value = -key
+    kshape, vshape = pagedattn.kv_cache_shape(1, b, k, d, np.uint8, layout)
+    kw = dict(kv_cache_dtype=kind, k_scale=0.5, v_scale=0.5)
+    slots = np.arange(t, dtype=np.int64)
+    kc_h, vc_h = np.zeros(kshape, np.uint8), np.zeros(vshape, np.uint8)
+    pagedattn.reshape_and_cache(key, value, kc_h, vc_h, slots, **kw)
+    kc = torch.full(kshape, 0x55, dtype=torch.uint8, device=DEV)
+    vc = torch.full(vshape, 0x55, dtype=torch.uint8, device=DEV)
+    pagedattn.reshape_and_cache(to_torch(key), to_torch(value), kc, vc, to_torch(slots), **kw)
+    torch.cuda.synchronize()
+    assert np.array_equal(kc.cpu().numpy(), kc_h)
+    assert np.array_equal(vc.cpu().numpy(), vc_h)
+    # and the host codes are the expected ones: -NaN a NaN code with the sign bit set
+    codes = np.zeros(key.shape, np.uint8)
+    pagedattn.quantize_fp8(key, codes, scale=0.5, fp8_dtype=kind)
+    flat = codes.reshape(-1)
+    for i, (_, want) in enumerate(cases):
+        if want is not None:
+            assert flat[i] == want, (cases[i], hex(flat[i]))
