@@ -381,6 +381,13 @@ __device__ __forceinline__ void mbar_wait(std::uint32_t a, int parity) {
       "r"(parity)
       : "memory");
 }
+// 2^x in one MUFU instruction (results below 2^-126 flush to zero: weights that small
+// vanish beside the row's maximum, whose weight is 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -614,65 +621,80 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_ws_kernel(const __grid_co
     float sc[C::kBN / 2];
     std::uint32_t pa[C::kBN / 16][4];
 
+    // Descriptors: one base per operand, the k-steps and stages as constant offsets of
+    // the start-address field (addresses >> 4; shared memory stays far below its 14 bits).
+    const std::uint64_t q_desc = smem_desc(q_addr, 16, 1024);
+    const std::uint64_t k_desc = smem_desc(kv_addr, 16, 1024);
+    const std::uint64_t v_desc = L == CacheLayout::kVLLM ? smem_desc(kv_addr + C::kKBytes, 16, 1024)
+                                                         : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
     auto issue_s = [&](int st) {
-      const std::uint32_t k_addr = kv_addr + st * C::kStageBytes;
+      const std::uint64_t kd = k_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const std::uint64_t da = smem_desc(q_addr + (kk / 4) * C::kBM * 128 + (kk % 4) * 32, 16, 1024);
-        const std::uint64_t db = smem_desc(k_addr + (kk / 4) * C::kBN * 128 + (kk % 4) * 32, 16, 1024);
-        wgmma_ss<C::kBN, T>(sc, da, db, kk > 0 ? 1 : 0);
+        constexpr int kQStep = C::kBM * 128 >> 4, kKStep = C::kBN * 128 >> 4;
+        wgmma_ss<C::kBN, T>(sc, q_desc + (kk / 4) * kQStep + (kk % 4) * 2, kd + (kk / 4) * kKStep + (kk % 4) * 2,
+                            kk > 0 ? 1 : 0);
       }
     };
     auto issue_pv = [&](int st) {
-      const std::uint32_t v_addr = kv_addr + st * C::kStageBytes + C::kKBytes;
+      const std::uint64_t vd = v_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
 #pragma unroll
       for (int j = 0; j < C::kBN / 16; ++j) {
-        if constexpr (L == CacheLayout::kVLLM) {
-          wgmma_rs<D, T, 0>(o, pa[j], smem_desc(v_addr + (j / 4) * D * 128 + (j % 4) * 32, 16, 1024), 1);
-        } else {
-          wgmma_rs<D, T, 1>(o, pa[j], smem_desc(v_addr + j * 16 * 128, C::kBN * 128, 1024), 1);
+        if constexpr (L == CacheLayout::kVLLM) {  // V [kBN/64][D][64 tokens]: K-major
+          wgmma_rs<D, T, 0>(o, pa[j], vd + (j / 4) * (D * 128 >> 4) + (j % 4) * 2, 1);
+        } else {  // V [D/64][kBN][64 dims]: MN-major
+          wgmma_rs<D, T, 1>(o, pa[j], vd + j * (16 * 128 >> 4), 1);
         }
       }
     };
+    // Plain scores (no soft cap, no ALiBi, a positive scale): the maximum is taken on the
+    // raw products and the scale folds into the exponent's FMA.
+    const bool plain = p.soft_cap_log2 <= 0.f && p.alibi_slopes == nullptr && p.qk_scale_log2 > 0.f;
     // Softmax of the S of tile i (in sc): masks, running max and sum; returns the factor
-    // for O and leaves P in pa.
+    // for O and leaves the weights in sc. Each option is a uniform branch around a loop
+    // of its own, so the plain tile runs none of their instructions.
     auto softmax = [&](int i, float (&corr)[2]) {
-#pragma unroll
-      for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
-      if (p.soft_cap_log2 > 0.f) {
-#pragma unroll
-        for (int k = 0; k < C::kBN / 2; ++k) sc[k] = p.soft_cap_log2 * tanhf(sc[k] * p.inv_soft_cap_log2);
-      }
       const int t0 = (kt_first + i) * C::kBN;
-      const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;
-      float mx[2] = {-INFINITY, -INFINITY};
+      if (!plain) {
 #pragma unroll
-      for (int n = 0; n < C::kBN / 8; ++n) {
+        for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
+        if (p.soft_cap_log2 > 0.f) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e / 2;
-          const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-          float x = sc[n * 4 + e];
-          if (p.alibi_slopes) x += slope[hr] * static_cast<float>(t - pos[hr]);
-          if (masked && static_cast<unsigned>(pos[hr] - t) >= wlim) x = -INFINITY;
-          sc[n * 4 + e] = x;
-          mx[hr] = fmaxf(mx[hr], x);
+          for (int k = 0; k < C::kBN / 2; ++k) sc[k] = p.soft_cap_log2 * tanhf(sc[k] * p.inv_soft_cap_log2);
+        }
+        if (p.alibi_slopes != nullptr) {
+#pragma unroll
+          for (int k = 0; k < C::kBN / 2; ++k) {
+            const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
+            sc[k] += slope[hr] * static_cast<float>(t - pos[hr]);
+          }
         }
       }
+      if (t0 + C::kBN - 1 > min_pos || t0 < max_first) {  // the diagonal, or a window's edge
+#pragma unroll
+        for (int k = 0; k < C::kBN / 2; ++k) {
+          const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
+          if (static_cast<unsigned>(pos[hr] - t) >= wlim) sc[k] = -INFINITY;
+        }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int k = 0; k < C::kBN / 2; ++k) mx[(k % 4) / 2] = fmaxf(mx[(k % 4) / 2], sc[k]);
+      const float unit = plain ? p.qk_scale_log2 : 1.0f;  // base-2 logits per unit of sc
       float m_use[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-        const float m_new = fmaxf(m_run[hr], mx[hr]);
+        const float m_new = fmaxf(m_run[hr], mx[hr] * unit);
         m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
-        corr[hr] = exp2f(m_run[hr] - m_use[hr]);
+        corr[hr] = fast_exp2(m_run[hr] - m_use[hr]);
         m_run[hr] = m_new;
         l_run[hr] *= corr[hr];
       }
 #pragma unroll
       for (int k = 0; k < C::kBN / 2; ++k) {
-        const float w = exp2f(sc[k] - m_use[(k % 4) / 2]);
+        const float w = fast_exp2(fmaf(sc[k], unit, -m_use[(k % 4) / 2]));
         sc[k] = w;
         l_run[(k % 4) / 2] += w;
       }
