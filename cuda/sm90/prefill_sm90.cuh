@@ -350,10 +350,13 @@ struct PrefillSm90WsConfig {
   static constexpr int kBM = 128;
   static constexpr int kBN = 128;
   static constexpr int kStages = D == 128 ? 3 : 4;
-  // Registers per thread after setmaxnreg (multiples of 8; 128 x producer + 256 x
-  // consumer within the 64K of a multiprocessor).
-  static constexpr int kProducerRegs = D == 128 ? 56 : 72;
-  static constexpr int kConsumerRegs = D == 128 ? 224 : 208;
+  // Registers per thread after setmaxnreg (multiples of 8). setmaxnreg only moves
+  // registers within what the CTA got at launch, 384 x 168 (the cap of
+  // __launch_bounds__(384, 1)): 128 x producer + 256 x consumer must stay within it, or
+  // the consumers' increase waits forever.
+  static constexpr int kProducerRegs = D == 128 ? 64 : 72;
+  static constexpr int kConsumerRegs = D == 128 ? 216 : 208;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "more registers than the CTA holds");
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKBytes = kBN * D * 2;
   static constexpr int kVBytes = kBN * D * 2;
@@ -434,9 +437,32 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         cp_async16(vs + o, vsrc + h * 64, n);
       }
     }
+  } else if (t0 >= kv_begin && t0 + C::kBN <= kv_end) {
+    // vllm, a tile of live tokens only (every tile but a sequence's last and a window's
+    // first): one address per thread and operand, the rest constant strides.
+    // Keys [D/8][B][8]: thread = token, its D / 8 pieces one block row (B pieces) apart;
+    // a warp's instruction reads whole runs of B consecutive pieces.
+    {
+      const int tt = ptid, t = t0 + tt;
+      const T* src = kc + static_cast<std::int64_t>(ids[tt]) * p.k_block_stride +
+                     ((static_cast<std::int64_t>(kh * kChunks) << lg_b) + (t & (B - 1))) * 8;
+      const std::int64_t row = static_cast<std::int64_t>(8) << lg_b;  // elements between a token's pieces
+#pragma unroll 4
+      for (int c = 0; c < kChunks; ++c) cp_async16(ks + swz(C::kBN, tt, c), src + c * row, 16);
+    }
+    // Values [D][B]: thread = (8-token group, dim lane), dims dl, dl + 8, ...
+    {
+      const int tg = ptid & 15, dl = ptid >> 4, t = t0 + tg * 8;
+      const T* src = vc + static_cast<std::int64_t>(ids[tg * 8]) * p.v_block_stride +
+                     (static_cast<std::int64_t>(kh * D + dl) << lg_b) + (t & (B - 1));
+      const std::int64_t rows8 = static_cast<std::int64_t>(8) << lg_b;  // elements between dims dl + 8 k
+#pragma unroll 4
+      for (int k = 0; k < D / 8; ++k) cp_async16(vs + swz(D, dl + 8 * k, tg), src + k * rows8, 16);
+    }
   } else {
-    // vllm: segments of bt tokens inside one block each (whole blocks, or the tile's part
-    // of one); consecutive threads take consecutive 16-byte pieces of the cache.
+    // vllm, a tile with dead or window-excluded tokens: segments of bt tokens inside one
+    // block each (whole blocks, or the tile's part of one); consecutive threads take
+    // consecutive 16-byte pieces of the cache.
     const int lg_bt = min(lg_b, 7), bt = 1 << lg_bt;
     auto seg_block = [&](int si, int t_seg) -> std::int64_t {
       return ids[si * bt + (t_seg < kv_begin ? kv_begin - t_seg : 0)];
