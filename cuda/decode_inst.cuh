@@ -19,6 +19,7 @@ struct DecodeKernelInfo {
   int threads = 0;
   int smem = 0;  // dynamic shared memory bytes
   int rows = 0;  // query heads per CTA
+  const char* name = "";  // varlen kernels: the family, as decode_plan reports it
 };
 
 // The specialised list must be usable as kernel template arguments: ascending (so no

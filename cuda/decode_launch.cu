@@ -40,6 +40,7 @@ DecodePlanInfo decode_plan_info(const DecodeParams& p) {
   info.head_tiles = plan.tiles;
   info.ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles * plan.num_partitions;
   info.workspace_bytes = plan.workspace_bytes();
+  info.varlen_kernel = varlen_kernel_name(p);
   return info;
 }
 

@@ -22,12 +22,14 @@ DecodeKernelInfo prefill_kernel(int head, CacheLayout layout) {
         info.threads = kPrefillSimtWarps * 32;
         info.smem = 0;
         info.rows = kPrefillSimtWarps;
+        info.name = "cuda_core";
       } else {
         using Cfg = PrefillMmaConfig<T, F, HEAD, L>;
         info.func = reinterpret_cast<const void*>(&prefill_mma_kernel<T, F, HEAD, L>);
         info.threads = Cfg::kThreads;
         info.smem = Cfg::kSmemBytes;
         info.rows = Cfg::kBM;
+        info.name = "sm80_mma";
       }
       return info;
     });

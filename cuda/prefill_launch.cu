@@ -28,27 +28,22 @@
 namespace pagedattn::cuda_backend {
 namespace {
 
-// PAGEDATTN_PREFILL_KERNEL picks the varlen kernel family on Hopper, for A/B timing and
-// for testing each on a Hopper GPU: "mma" the sm_80 tensor-core kernel, "sm90sync" the
-// Hopper kernel without warp specialisation; unset, the warp-specialised Hopper kernel.
-// Read once.
-int prefill_kernel_choice() {
-  static const int choice = [] {
+// PAGEDATTN_PREFILL_KERNEL=mma keeps the sm_80 tensor-core kernel on Hopper too (for A/B
+// timing, and to test that kernel on a Hopper GPU). Read once.
+bool sm90_prefill_off() {
+  static const bool off = [] {
     const char* e = std::getenv("PAGEDATTN_PREFILL_KERNEL");
-    if (e == nullptr) return 0;
-    if (std::string_view(e) == "mma") return 1;
-    if (std::string_view(e) == "sm90sync") return 2;
-    return 0;
+    return e != nullptr && std::string_view(e) == "mma";
   }();
-  return choice;
+  return off;
 }
 
 DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
 #if PAGEDATTN_SM90_PREFILL
   const DeviceInfo& dev = device_info(p.device_id);
-  if (dev.cc_major == 9 && dev.cc_minor == 0 && prefill_kernel_choice() != 1) {
-    const DecodeKernelInfo k = prefill_sm90_kernel(p.dtype, p.kv_cache_dtype, p.head_size, p.layout, p.block_size,
-                                                   prefill_kernel_choice() == 0);
+  if (dev.cc_major == 9 && dev.cc_minor == 0 && !sm90_prefill_off()) {
+    const DecodeKernelInfo k =
+        sm90_prefill_kernel_info(p.dtype, p.kv_cache_dtype, p.head_size, p.layout, p.block_size);
     if (k.func != nullptr) return k;
   }
 #endif
@@ -58,6 +53,8 @@ DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
 }
 
 }  // namespace
+
+const char* varlen_kernel_name(const DecodeParams& p) { return select_prefill_kernel(p).name; }
 
 void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool skip_single) {
   if (p.check_block_tables && stream_is_capturing(stream))

@@ -18,4 +18,8 @@ inline bool varlen_is_decode(const DecodeParams& p) {
 // sequences of exactly one valid row to the decode kernels (decode_row()).
 void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool skip_single);
 
+// The kernel family a varlen call with these parameters runs on its device:
+// "sm90_wgmma", "sm80_mma" or "cuda_core".
+const char* varlen_kernel_name(const DecodeParams& p);
+
 }  // namespace pagedattn::cuda_backend

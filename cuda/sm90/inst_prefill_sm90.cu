@@ -7,41 +7,33 @@ namespace pagedattn::cuda_backend {
 namespace {
 
 template <class T, int D, CacheLayout L>
-DecodeKernelInfo info_of(bool ws) {
-  DecodeKernelInfo info;
-  if (ws) {
-    using C = sm90::PrefillSm90WsConfig<T, D, L>;
-    info.func = reinterpret_cast<const void*>(&sm90::prefill_sm90_ws_kernel<T, D, L>);
-    info.threads = C::kThreads;
-    info.smem = C::kSmemBytes;
-    info.rows = C::kBM;
-    return info;
-  }
+DecodeKernelInfo info_of() {
   using C = sm90::PrefillSm90Config<T, D, L>;
+  DecodeKernelInfo info;
   info.func = reinterpret_cast<const void*>(&sm90::prefill_sm90_kernel<T, D, L>);
   info.threads = C::kThreads;
   info.smem = C::kSmemBytes;
   info.rows = C::kBM;
+  info.name = "sm90_wgmma";
   return info;
 }
 
 template <class T>
-DecodeKernelInfo for_type(int head_size, CacheLayout layout, bool ws) {
+DecodeKernelInfo for_type(int head_size, CacheLayout layout) {
   const bool vllm = layout == CacheLayout::kVLLM;
-  if (head_size == 64) return vllm ? info_of<T, 64, CacheLayout::kVLLM>(ws) : info_of<T, 64, CacheLayout::kNHD>(ws);
-  if (head_size == 128)
-    return vllm ? info_of<T, 128, CacheLayout::kVLLM>(ws) : info_of<T, 128, CacheLayout::kNHD>(ws);
+  if (head_size == 64) return vllm ? info_of<T, 64, CacheLayout::kVLLM>() : info_of<T, 64, CacheLayout::kNHD>();
+  if (head_size == 128) return vllm ? info_of<T, 128, CacheLayout::kVLLM>() : info_of<T, 128, CacheLayout::kNHD>();
   return {};
 }
 
 }  // namespace
 
-DecodeKernelInfo prefill_sm90_kernel(DType dtype, KVCacheDType cache, int head_size, CacheLayout layout,
-                                     int block_size, bool warp_specialized) {
+DecodeKernelInfo sm90_prefill_kernel_info(DType dtype, KVCacheDType cache, int head_size, CacheLayout layout,
+                                     int block_size) {
   if (cache != KVCacheDType::kAuto) return {};
   if (layout == CacheLayout::kVLLM && block_size < 8) return {};
-  if (dtype == DType::kFloat16) return for_type<__half>(head_size, layout, warp_specialized);
-  if (dtype == DType::kBFloat16) return for_type<__nv_bfloat16>(head_size, layout, warp_specialized);
+  if (dtype == DType::kFloat16) return for_type<__half>(head_size, layout);
+  if (dtype == DType::kBFloat16) return for_type<__nv_bfloat16>(head_size, layout);
   return {};
 }
 

@@ -1,45 +1,37 @@
-// Hopper (sm_90a) varlen kernel: the FlashAttention-2 form of prefill_mma.cuh with both
-// matrix products on warpgroup MMA (wgmma) instead of mma.sync.
+// Hopper (sm_90a) varlen kernel: the online-softmax attention of prefill_mma.cuh with
+// both matrix products on warpgroup MMA (wgmma) and warp-specialised loading.
 //
 // One CTA = (tile of kBM = 128 packed (token, group head) rows, KV head, sequence), the
 // rows token-major as in prefill_mma.cuh, so the G query heads of a GQA group share every
-// key and value tile. Two warpgroups own 64 rows each. Key / value tiles of kBN = 128
-// tokens are gathered through the block table by cp.async (every thread; the next tile
-// in flight while the current one is used) into shared memory in the tensor cores'
-// 128-byte-swizzled layout, so no fragment passes through registers on its way to the
-// MMA:
-//   S (64 x 128, float32, registers) = Q (shared) K^T (shared)   wgmma m64n128k16, K-major
-//   online softmax on S in registers (base 2, the masks and variants of prefill_mma.cuh)
-//   O (64 x D, float32, registers) += P (registers, 16-bit) V (shared)   wgmma m64nDk16
-// V is read as MN-major (transposed) for the token-major layouts and as K-major for the
-// vllm layout, whose value blocks are [D][B]: each layout's tile is stored in its cache's
-// own order.
+// key and value tile. Three warpgroups:
+//   - the producer (128 threads, few registers) gathers Q and the key / value tiles of
+//     kBN = 128 tokens through the block table with cp.async into a ring of kStages
+//     shared-memory stages; each copy's completion is tracked by an mbarrier (full[s]),
+//     so the producer never waits for its own loads, only for a stage to come free
+//     (empty[s]);
+//   - two consumers (64 rows each, most registers) compute, each at its own pace:
+//       S (64 x 128, float32, registers) = Q (shared) K^T (shared)    wgmma m64n128k16
+//       online softmax on S in registers (base 2; the masks and variants of prefill_mma.cuh)
+//       O (64 x D, float32, registers) += P (registers, 16-bit) V (shared)   wgmma m64nDk16
+//     and the product S of tile i is issued together with P V of tile i - 1, so that the
+//     softmax of tile i overlaps the latter on the tensor cores.
+// The tiles land in the tensor cores' 128-byte-swizzled layout, so no fragment passes
+// through registers on its way to an MMA. V is read as MN-major (transposed) for the
+// token-major layouts and as K-major for the vllm layout, whose value blocks are [D][B]:
+// each layout's tile is stored in its cache's own order.
 //
 // Shared memory, every region 1024-byte aligned (the swizzle atom: 8 rows of 128 bytes,
 // 16-byte chunk j of row r stored at chunk j ^ (r % 8)):
 //   Q  [D / 64][kBM rows][64 elements]
-//   K  [D / 64][kBN tokens][64 elements]                 x 2 stages
-//   V  nhd: as K;  vllm: [kBN / 64][D dims][64 tokens]  x 2 stages
+//   K  [D / 64][kBN tokens][64 elements]                 x kStages
+//   V  nhd: as K;  vllm: [kBN / 64][D dims][64 tokens]  x kStages
+//   the mbarriers, and the block ids of the tile being loaded
 #pragma once
 
 #include "cuda/prefill_params.cuh"
 #include "cuda/sm90/wgmma.cuh"
 
 namespace pagedattn::cuda_backend::sm90 {
-
-template <class T, int D, CacheLayout L>
-struct PrefillSm90Config {
-  static constexpr int kWarpgroups = 2;
-  static constexpr int kThreads = 128 * kWarpgroups;
-  static constexpr int kBM = 64 * kWarpgroups;  // packed query rows per CTA
-  static constexpr int kBN = 128;               // keys per tile
-  static constexpr int kQBytes = kBM * D * 2;
-  static constexpr int kKBytes = kBN * D * 2;
-  static constexpr int kVBytes = kBN * D * 2;
-  static constexpr int kStageBytes = kKBytes + kVBytes;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + 1024;  // + the alignment slack
-  static_assert(D == 64 || D == 128, "the Hopper varlen kernel covers head sizes 64 and 128");
-};
 
 // Byte offset of 16-byte chunk `chunk` (of 8 elements) of row `row` in a swizzled region
 // of `rows` rows per 64-element column block.
@@ -55,297 +47,8 @@ __device__ __forceinline__ std::uint64_t smem_desc(std::uint32_t addr, std::uint
          (static_cast<std::uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
-// Issues the copies of keys and values [t0, t0 + kBN) of KV head kh into one stage
-// (tokens at or past kv_end, and those of blocks before kv_lo's, as zeros).
-template <class C, class T, int D, CacheLayout L>
-__device__ __forceinline__ void load_kv_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh, int t0,
-                                             int kv_lo, int kv_end, unsigned char* ks, unsigned char* vs) {
-  const int B = p.block_size;
-  const auto* kc = static_cast<const T*>(p.key_cache);
-  const auto* vc = static_cast<const T*>(p.value_cache);
-  constexpr int kChunks = D / 8;  // 16-byte pieces of a token row
-  if constexpr (L == CacheLayout::kNHD) {  // nhd / hnd: token rows at run-time strides
-    for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
-      const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
-      const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
-      const std::int64_t blk = live ? table[t / B] : 0;
-      const std::int64_t i = (t % B) * p.tok_stride + kh * p.head_stride + c * 8;
-      const std::uint32_t o = swz(C::kBN, tt, c);
-      cp_async16(ks + o, kc + blk * p.k_block_stride + i, live ? 16 : 0);
-      cp_async16(vs + o, vc + blk * p.v_block_stride + i, live ? 16 : 0);
-    }
-  } else {
-    // vllm (block size 8 or more): segments of bt tokens inside one block each, as in
-    // prefill_load_tile; keys [D/8][B][8] give a token's 16-byte piece of 8 dims, values
-    // [D][B] a dim's piece of 8 tokens.
-    const int bt = min(B, C::kBN);
-    const int per_seg = D * bt / 8;
-    const int segs = C::kBN / bt;
-    for (int u = threadIdx.x; u < segs * per_seg; u += C::kThreads) {
-      const int si = u / per_seg, pc = u % per_seg;
-      const int t_seg = t0 + si * bt, o0 = t_seg % B;
-      const bool live = t_seg < kv_end && t_seg >= kv_lo;
-      const std::int64_t blk = live ? table[t_seg / B] : 0;
-      const int tok = pc % bt, chunk = pc / bt;
-      const std::int64_t ki = blk * p.k_block_stride + ((static_cast<std::int64_t>(kh) * kChunks + chunk) * B + o0 + tok) * 8;
-      cp_async16(ks + swz(C::kBN, si * bt + tok, chunk), kc + ki, live && t_seg + tok < kv_end ? 16 : 0);
-      const int vd = pc / (bt / 8), vt = pc % (bt / 8) * 8;
-      const std::int64_t vi = blk * p.v_block_stride + (static_cast<std::int64_t>(kh) * D + vd) * B + o0 + vt;
-      const int tt = si * bt + vt;  // the piece's first token in the tile
-      cp_async16(vs + swz(D, vd, tt >> 3), vc + vi, live ? 2 * min(8, max(0, kv_end - (t_seg + vt))) : 0);
-    }
-  }
-}
-
 template <class T, int D, CacheLayout L>
-__global__ void __launch_bounds__(PrefillSm90Config<T, D, L>::kThreads, 1)
-    prefill_sm90_kernel(const __grid_constant__ PrefillKernelParams p) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = PrefillSm90Config<T, D, L>;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // Every region on a 1024-byte boundary of the shared window (the swizzle atom).
-  const std::uint32_t raw_addr = smem_addr(smem_raw);
-  unsigned char* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
-  unsigned char* qs = smem;
-  unsigned char* kv_base = smem + C::kQBytes;  // stage s: K at s * kStageBytes, V after it
-
-  const int kh = blockIdx.y;
-  int s, tile;
-  if (p.flat_tiles) {
-    prefill_flat_task(p, C::kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
-    if (s < 0) return;
-  } else {
-    s = blockIdx.z;
-    tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
-  }
-  const PrefillSeq q = prefill_seq(p, s);
-  const int G = p.group;
-  if (p.skip_single && q.ok && q.q_len == 1) return;  // the decode kernels serve it
-  const int rows = q.q_len * G;
-  const int r_lo = tile * C::kBM;
-  if (r_lo >= rows) return;
-  const int r_hi = min(rows, r_lo + C::kBM);
-  if (!q.ok) {
-    const bool last = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1;
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, last ? rows : r_hi);
-    return;
-  }
-  const int ctx = q.len - q.q_len;
-  const int kv_end = ctx + (r_hi - 1) / G + 1;  // keys the CTA's last row sees
-  const int kv_begin = prefill_window_first(p, ctx + r_lo / G);
-  const int kv_lo = kv_begin / p.block_size * p.block_size;
-  if (!prefill_blocks_ok(p, s, kv_begin, kv_end)) {
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
-    return;
-  }
-  const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
-  const int kt_first = kv_begin / C::kBN;
-
-  // The first key tile's copies go out before the Q tile is staged.
-  load_kv_tile<C, T, D, L>(p, table, kh, kt_first * C::kBN, kv_lo, kv_end, kv_base, kv_base + C::kKBytes);
-  cp_async_commit();
-  // Q tile (rows past the sequence's are zeros): 16-byte copies where the query's rows
-  // allow them, element by element otherwise (a strided query without 16-byte alignment).
-  const T* qg = static_cast<const T*>(p.query);
-  const bool q_vec = (reinterpret_cast<std::uintptr_t>(qg) & 15) == 0 && p.q_stride_tok % 8 == 0 &&
-                     p.q_stride_head % 8 == 0;
-  if (q_vec) {
-    for (int u = threadIdx.x; u < C::kBM * (D / 8); u += C::kThreads) {
-      const int rr = u / (D / 8), c = u % (D / 8), r = r_lo + rr;
-      const T* src = qg;
-      if (r < rows) src = qg + static_cast<std::int64_t>(q.row0 + r / G) * p.q_stride_tok +
-                          static_cast<std::int64_t>(kh * G + r % G) * p.q_stride_head + c * 8;
-      cp_async16(qs + swz(C::kBM, rr, c), src, r < rows ? 16 : 0);
-    }
-    cp_async_commit();
-  } else {
-    for (int i = threadIdx.x; i < C::kBM * D; i += C::kThreads) {
-      const int rr = i / D, d = i % D, r = r_lo + rr;
-      T v = from_float<T>(0.0f);
-      if (r < rows) {
-        const int tok = q.row0 + r / G, h = kh * G + r % G;
-        v = qg[static_cast<std::int64_t>(tok) * p.q_stride_tok + static_cast<std::int64_t>(h) * p.q_stride_head + d];
-      }
-      *reinterpret_cast<T*>(qs + swz(C::kBM, rr, d / 8) + (d % 8) * 2) = v;
-    }
-  }
-
-  const int wg = threadIdx.x / 128;          // the warpgroup: rows wg * 64 .. + 63
-  const int warp = (threadIdx.x / 32) % 4;   // the warp in it: rows warp * 16 .. + 15
-  const int lane = threadIdx.x % 32;
-  const int wrow = wg * 64 + warp * 16;      // the warp's first row in the tile
-  int pos[2];
-  float slope[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = r_lo + wrow + lane / 4 + hr * 8;
-    pos[hr] = r < rows ? ctx + r / G : -1;  // -1: a padding row, every key masked
-    slope[hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
-  }
-  const int min_pos = ctx + r_lo / G;
-  const unsigned wlim = p.sliding_window > 0 ? static_cast<unsigned>(p.sliding_window) : 0x80000000u;
-  const int max_first = prefill_window_first(p, ctx + (r_hi - 1) / G);
-
-  const std::uint32_t q_addr = smem_addr(qs) + wg * 64 * 128;
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-
-  for (int kt = kt_first; kt < n_tiles; ++kt) {
-    const int stage = (kt - kt_first) & 1;
-    if (kt + 1 < n_tiles) {
-      unsigned char* nk = kv_base + (stage ^ 1) * C::kStageBytes;
-      load_kv_tile<C, T, D, L>(p, table, kh, (kt + 1) * C::kBN, kv_lo, kv_end, nk, nk + C::kKBytes);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    unsigned char* ks = kv_base + stage * C::kStageBytes;
-    unsigned char* vs = ks + C::kKBytes;
-    if (kt == kt_first && kt * C::kBN < kv_begin) {
-      // The window's first tile: the values of the slots before the window came in with
-      // their block and are zeroed, so that they never meet a product.
-      __syncthreads();
-      const int n = kv_begin - kt * C::kBN;
-      for (int i = threadIdx.x; i < n * D; i += C::kThreads) {
-        const int tt = i / D, d = i % D;
-        const std::uint32_t off = L == CacheLayout::kVLLM ? swz(D, d, tt >> 3) + (tt & 7) * 2
-                                                          : swz(C::kBN, tt, d >> 3) + (d & 7) * 2;
-        *reinterpret_cast<T*>(vs + off) = from_float<T>(0.0f);
-      }
-    }
-    fence_proxy_async();  // this thread's copies and stores, visible to the tensor cores
-    __syncthreads();
-
-    // S = Q K^T over D / 16 steps of 16 dims.
-    float sc[C::kBN / 2];
-    const std::uint32_t k_addr = smem_addr(ks);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const std::uint64_t da = smem_desc(q_addr + (kk / 4) * C::kBM * 128 + (kk % 4) * 32, 16, 1024);
-      const std::uint64_t db = smem_desc(k_addr + (kk / 4) * C::kBN * 128 + (kk % 4) * 32, 16, 1024);
-      wgmma_ss<C::kBN, T>(sc, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(sc);
-
-    // Base-2 logits, the soft cap when on, ALiBi, the masks, the online softmax: element
-    // (n, e) of this thread is row lane / 4 + 8 * (e / 2), key n * 8 + 2 * (lane % 4) + e % 2.
-#pragma unroll
-    for (int i = 0; i < C::kBN / 2; ++i) sc[i] *= p.qk_scale_log2;
-    if (p.soft_cap_log2 > 0.f) {
-#pragma unroll
-      for (int i = 0; i < C::kBN / 2; ++i) sc[i] = p.soft_cap_log2 * tanhf(sc[i] * p.inv_soft_cap_log2);
-    }
-    const int t0 = kt * C::kBN;
-    const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < C::kBN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e / 2;
-        const int t = t0 + n * 8 + 2 * (lane % 4) + (e & 1);
-        float x = sc[n * 4 + e];
-        if (p.alibi_slopes) x += slope[hr] * static_cast<float>(t - pos[hr]);
-        if (masked && static_cast<unsigned>(pos[hr] - t) >= wlim) x = -INFINITY;
-        sc[n * 4 + e] = x;
-        mx[hr] = fmaxf(mx[hr], x);
-      }
-    }
-    float corr[2], m_use[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-      mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-      const float m_new = fmaxf(m_run[hr], mx[hr]);
-      m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no visible key yet
-      corr[hr] = exp2f(m_run[hr] - m_use[hr]);
-      m_run[hr] = m_new;
-      l_run[hr] *= corr[hr];
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n * 4 + 0] *= corr[0];
-      o[n * 4 + 1] *= corr[0];
-      o[n * 4 + 2] *= corr[1];
-      o[n * 4 + 3] *= corr[1];
-    }
-#pragma unroll
-    for (int i = 0; i < C::kBN / 2; ++i) {
-      const float w = exp2f(sc[i] - m_use[(i % 4) / 2]);
-      sc[i] = w;
-      l_run[(i % 4) / 2] += w;
-    }
-    // P as A fragments: k-step j covers keys 16 j .. 16 j + 15, accumulator chunks 2 j, 2 j + 1.
-    std::uint32_t pa[C::kBN / 16][4];
-#pragma unroll
-    for (int j = 0; j < C::kBN / 16; ++j) {
-      pa[j][0] = pack2<T>(sc[8 * j + 0], sc[8 * j + 1]);
-      pa[j][1] = pack2<T>(sc[8 * j + 2], sc[8 * j + 3]);
-      pa[j][2] = pack2<T>(sc[8 * j + 4], sc[8 * j + 5]);
-      pa[j][3] = pack2<T>(sc[8 * j + 6], sc[8 * j + 7]);
-    }
-
-    // O += P V over kBN / 16 steps of 16 keys.
-    const std::uint32_t v_addr = smem_addr(vs);
-    fence_regs(o);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < C::kBN / 16; ++j) {
-      if constexpr (L == CacheLayout::kVLLM) {  // V [kBN/64][D][64 tokens]: K-major
-        const std::uint64_t db = smem_desc(v_addr + (j / 4) * D * 128 + (j % 4) * 32, 16, 1024);
-        wgmma_rs<D, T, 0>(o, pa[j], db, 1);
-      } else {  // V [D/64][kBN][64 dims]: MN-major
-        const std::uint64_t db = smem_desc(v_addr + j * 16 * 128, C::kBN * 128, 1024);
-        wgmma_rs<D, T, 1>(o, pa[j], db, 1);
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(o);
-    __syncthreads();  // the stage is refilled by the next iteration's copies
-  }
-
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float l = l_run[hr];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int r = r_lo + wrow + lane / 4 + hr * 8;
-    if (r >= rows) continue;
-    const int tok = q.row0 + r / G, h = kh * G + r % G;
-    T* orow = static_cast<T*>(p.out) + static_cast<std::int64_t>(tok) * p.o_stride_tok +
-              static_cast<std::int64_t>(h) * p.o_stride_head;
-    const float inv = p.v_scale / (l + prefill_sink(p, h, m_run[hr]));
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const int d = n * 8 + 2 * (lane % 4);
-      orow[d] = from_float<T>(o[n * 4 + 2 * hr] * inv);
-      orow[d + 1] = from_float<T>(o[n * 4 + 2 * hr + 1] * inv);
-    }
-  }
-#else
-  // Built for another architecture: the launcher never selects this kernel there.
-  (void)p;
-#endif
-}
-
-
-// ---------------------------------------------------------------------------------
-// The warp-specialised form: a producer warpgroup gathers Q and the key / value tiles
-// (cp.async, completion tracked by mbarriers, kStages deep) while two consumer
-// warpgroups compute, each at its own pace; within a consumer, the product S = Q K^T of
-// tile i runs on the tensor cores while ... O += P V of tile i - 1 too, and the softmax
-// of tile i overlaps the latter.
-// ---------------------------------------------------------------------------------
-template <class T, int D, CacheLayout L>
-struct PrefillSm90WsConfig {
+struct PrefillSm90Config {
   static constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
   static constexpr int kBM = 128;
   static constexpr int kBN = 128;
@@ -508,9 +211,9 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
 }
 
 template <class T, int D, CacheLayout L>
-__global__ void __launch_bounds__(384, 1) prefill_sm90_ws_kernel(const __grid_constant__ PrefillKernelParams p) {
+__global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillKernelParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = PrefillSm90WsConfig<T, D, L>;
+  using C = PrefillSm90Config<T, D, L>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const std::uint32_t raw_addr = smem_addr(smem_raw);
   unsigned char* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);

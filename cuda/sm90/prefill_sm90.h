@@ -12,7 +12,7 @@ namespace pagedattn::cuda_backend {
 // info whose func is null when the Hopper kernels do not cover it (then the sm_80
 // tensor-core kernel serves it): 16-bit queries and caches of the same dtype, head size
 // 64 or 128, the token-major layouts, or vllm with pages of 8 tokens or more.
-DecodeKernelInfo prefill_sm90_kernel(DType dtype, KVCacheDType cache, int head_size, CacheLayout layout,
-                                     int block_size, bool warp_specialized);
+DecodeKernelInfo sm90_prefill_kernel_info(DType dtype, KVCacheDType cache, int head_size, CacheLayout layout,
+                                     int block_size);
 
 }  // namespace pagedattn::cuda_backend

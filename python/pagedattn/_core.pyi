@@ -58,6 +58,7 @@ class DecodePlan(TypedDict):
     head_tiles: int
     ctas: int
     workspace_bytes: int
+    varlen_kernel: str
 
 class PrefixCacheStats(TypedDict):
     queried_tokens: int

@@ -331,7 +331,9 @@ void bind_attention(nb::module_& m) {
       doc("How paged_attention runs on CUDA for these sizes and options (same arguments and errors as\n"
           "decode_workspace_size). Returns a dict: num_partitions and partition_size (tokens) along the\n"
           "context, reduce_kernel (True: partial results go to scratch and a second kernel merges them),\n"
-          "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), workspace_bytes.",
+          "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), workspace_bytes,\n"
+          "varlen_kernel (the kernel family of a call with query_start_loc on this device: 'sm90_wgmma',\n"
+          "'sm80_mma' or 'cuda_core').",
           kDecodeQuery);
   def_decode_query(
       m, "decode_workspace_size",
@@ -348,6 +350,7 @@ void bind_attention(nb::module_& m) {
         d["head_tiles"] = i.head_tiles;
         d["ctas"] = i.ctas;
         d["workspace_bytes"] = i.workspace_bytes;
+        d["varlen_kernel"] = i.varlen_kernel;
         return nb::object(d);
       },
       plan_sig, plan_doc);

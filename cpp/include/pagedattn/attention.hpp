@@ -192,6 +192,10 @@ struct DecodePlanInfo {
   int head_tiles = 1;          // CTAs per KV head along its query heads
   std::int64_t ctas = 0;       // CTAs of the decode grid
   std::size_t workspace_bytes = 0;
+  // The kernel family of a call with query_start_loc (chunked prefill, mixed batches) on
+  // this device: "sm90_wgmma" (Hopper), "sm80_mma" (tensor cores, sm_80 and up) or
+  // "cuda_core" (float32 queries, head sizes the tensor-core kernels do not take).
+  const char* varlen_kernel = "";
 };
 DecodePlanInfo decode_plan(const DecodeShape& shape, const AttentionOptions& options = {});
 

@@ -1,0 +1,136 @@
+"""The varlen kernel families on CUDA: which one serves a call (decode_plan's
+varlen_kernel), the Hopper (sm_90a, wgmma) kernel's own edges, and the sm_80 tensor-core
+kernel kept under test on a Hopper GPU (PAGEDATTN_PREFILL_KERNEL=mma in a subprocess).
+
+On a GPU of compute capability 9.0 the whole CUDA suite runs the Hopper kernel wherever
+it applies (16-bit queries and caches, head sizes 64 and 128, nhd / hnd, vllm with pages
+of 8 tokens or more); these tests add the shapes that stress its pipeline: more key tiles
+than ring stages, row tiles that end inside a GQA group, a query without 16-byte
+alignment (its element-by-element Q path), and windows that start inside a page.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_cuda_prefill import varlen
+
+import pagedattn
+from conftest import BF16, assert_close
+from pagedattn.reference import paged_attention_ref
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
+    pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
+
+from torch_arrays import to_numpy, to_torch  # noqa: E402
+
+HOPPER = torch.cuda.get_device_capability(0) == (9, 0)
+DTYPES = ["float16"] + (["bfloat16"] if BF16 is not None else [])
+
+
+def family(dtype="bfloat16", head_size=128, layout="nhd", block_size=16, **kw):
+    return pagedattn.decode_plan(4, 32, 8, head_size, block_size, 64, dtype, layout, **kw)["varlen_kernel"]
+
+
+def test_the_kernel_family_each_call_gets():
+    tensor = "sm90_wgmma" if HOPPER and family() == "sm90_wgmma" else "sm80_mma"
+    if HOPPER:
+        # A Hopper build (the default architectures include 90) serves these with wgmma.
+        assert family() == "sm90_wgmma"
+    for dt in DTYPES:
+        for d in (64, 128):
+            for layout in ("nhd", "hnd", "vllm"):
+                for b in (8, 16, 64, 256):
+                    assert family(dt, d, layout, b) == tensor, (dt, d, layout, b)
+            assert family(dt, d, "nhd", 1) == tensor
+    # outside the Hopper kernel: the sm_80 tensor-core kernel
+    assert family(head_size=96) == "sm80_mma"
+    assert family(head_size=256) == "sm80_mma"
+    assert family(layout="vllm", block_size=4) == "sm80_mma"
+    assert family(kv_cache_dtype="fp8_e4m3") == "sm80_mma"
+    # float32 queries and head sizes off the tensor-core list: the CUDA-core kernel
+    assert family("float32") == "cuda_core"
+    assert family("float16", head_size=72) == "cuda_core"
+
+
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])  # hnd: the nhd kernel at other strides (test_cuda_layouts)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,group", [(128, 4), (64, 1), (128, 8), (64, 3)])
+def test_pipeline_edges(rng, layout, dtype, head_size, group):
+    """Contexts of up to 9 key tiles of 128 (the ring has 3 or 4 stages), query rows that
+    end mid-tile and mid-group (128 packed rows per CTA), q = 0, 1 and = seq_len, and a
+    query without 16-byte alignment."""
+    seq_lens = [1200, 129, 128, 1, 300, 700, 5]
+    q_lens = [1200, 2, 128, 1, 0, 43, 5]
+    kv = 2
+    pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype=dtype, layout=layout, num_heads=kv * group, num_kv_heads=kv,
+                           head_size=head_size, block_size=16)  # fmt: skip
+    ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl)
+    caches = [to_torch(a) for a in (pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
+    tq = to_torch(q)
+    for mql in (None, max(q_lens)):
+        out = pagedattn.paged_attention(tq, *caches, query_start_loc=to_torch(qsl), max_query_len=mql)
+        assert_close(to_numpy(out), ref, dtype, f"aligned query, max_query_len={mql}")
+    # the same query one element into a wider buffer: rows lose 16-byte alignment
+    flat = torch.empty(tq.numel() + 1, dtype=tq.dtype, device=tq.device)
+    flat[1:] = tq.reshape(-1)
+    odd = flat[1:].view(tq.shape)
+    assert odd.data_ptr() % 16 != 0
+    out = pagedattn.paged_attention(odd, *caches, query_start_loc=to_torch(qsl))
+    assert_close(to_numpy(out), ref, dtype, "unaligned query")
+
+
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+def test_windows_start_inside_a_page(rng, layout, block_size):
+    """Windows whose first key lies inside an 8-token piece of a page (the vllm value
+    piece that straddles it is loaded, cleared below the window and stored by hand), with
+    NaN in every slot outside the windows."""
+    dtype = DTYPES[-1]
+    seq_lens, q_lens = [900, 333], [300, 333]
+    for window in (7, 100, 131, 517):
+        pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype=dtype, layout=layout, num_heads=8, num_kv_heads=2,
+                               head_size=128, block_size=block_size)  # fmt: skip
+        # NaN in the keys and values no row's window reaches
+        for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+            first = max(0, n - ql - window + 1)
+            for t in range(first):
+                blk, off = pb.block_tables[i, t // block_size], t % block_size
+                if layout == "vllm":
+                    pb.key_cache[blk, :, :, off, :] = np.nan
+                    pb.value_cache[blk, :, :, off] = np.nan
+                else:
+                    pb.key_cache[blk, off] = np.nan
+                    pb.value_cache[blk, off] = np.nan
+        ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens,
+                                  query_start_loc=qsl, sliding_window=window)  # fmt: skip
+        out = pagedattn.paged_attention(to_torch(q), *[to_torch(a) for a in (pb.key_cache, pb.value_cache,
+                                        pb.block_tables, pb.seq_lens)], query_start_loc=to_torch(qsl),
+                                        sliding_window=window)  # fmt: skip
+        assert_close(to_numpy(out), ref, dtype, f"window {window}")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_80 kernel is the default off Hopper")
+def test_the_sm80_kernel_on_hopper():
+    """PAGEDATTN_PREFILL_KERNEL=mma: decode_plan reports the sm_80 kernel, and the varlen
+    tests of both files pass with it (in a subprocess: the variable is read once)."""
+    if family() != "sm90_wgmma":
+        pytest.skip("this build has no Hopper kernels")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PAGEDATTN_PREFILL_KERNEL="mma")
+    code = "import pagedattn; print(pagedattn.decode_plan(4, 32, 8, 128, 16, 64, 'bfloat16', 'nhd')['varlen_kernel'])"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert got.stdout.strip() == "sm80_mma", got.stderr
+    names = ["test_mixed_batch", "test_head_sizes", "test_gqa_groups_alibi_scale"]
+    names.append("test_max_query_len_bound_and_strided")
+    tests = [os.path.join(here, "test_cuda_prefill.py") + "::" + t for t in names]
+    tests.append(os.path.join(here, "test_cuda_prefill_sm90.py") + "::test_pipeline_edges")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=here)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1]
