@@ -69,6 +69,13 @@ __device__ __forceinline__ int prefill_tid() {
   return t;
 }
 
+// x, hidden from the compiler's loop-invariant code motion in the same way: what a loop
+// computes from the result is recomputed at each iteration.
+__device__ __forceinline__ int prefill_opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // Eight consecutive cache elements (16 bytes of a 16-bit cache, 8 of an fp8 one) into 16
 // bytes of shared memory as T; `n` of them valid (the rest are zeros, never read).
 template <class T, KVCacheDType F>
@@ -285,7 +292,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     const int stage = t0 / C::kBN & 1;
     if (t0 + C::kBN < kv_end) {
       const int nxt = stage ^ 1;
-      prefill_load_tile<C, T, F, D, L>(p, table, kh, t0 + C::kBN, 0, kv_end,
+      // the block table's row again from s (one register across the loop, not a pointer's two)
+      const std::int32_t* row = p.block_tables + static_cast<std::int64_t>(prefill_opaque(s)) * p.max_blocks_per_seq;
+      prefill_load_tile<C, T, F, D, L>(p, row, kh, t0 + C::kBN, 0, kv_end,
                                        ks_base + nxt * (C::kKBytes / 2), vs_base + nxt * (C::kVBytes / 2));
       cp_async_commit();
       cp_async_wait<1>();
