@@ -87,10 +87,13 @@ __device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n)
     if (n == 8) {
       raw = *static_cast<const uint2*>(src);
     } else {
+      // (two words, not an array indexed at run time, which would live in local memory)
       const auto* b = static_cast<const std::uint8_t*>(src);
-      std::uint32_t w[2] = {0, 0};
-      for (int i = 0; i < n; ++i) w[i / 4] |= static_cast<std::uint32_t>(b[i]) << (8 * (i % 4));
-      raw = make_uint2(w[0], w[1]);
+      for (int i = 0; i < n; ++i) {
+        const std::uint32_t byte = static_cast<std::uint32_t>(b[i]) << (8 * (i % 4));
+        if (i < 4) raw.x |= byte;
+        else raw.y |= byte;
+      }
     }
     uint4 v;
     v.x = fp8x2_to<T, F>(raw.x);
