@@ -114,33 +114,33 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
                                                   int t0, int kv_lo, int kv_end, T* ks, T* vs) {
   const int B = p.block_size;
   const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
+  // B is a power of two (supported::kCudaBlockSizes; the vllm segments below rely on it
+  // too), so the block arithmetic is shifts and masks. Offsets inside a block fit 32 bits
+  // unsigned: a block holds K * D * B < 2^32 elements (K <= 65535, the grid's y; D and B
+  // <= 256); only a block's start, id * block stride, needs 64.
   using E = std::conditional_t<C::kE == 2, std::uint16_t, std::uint8_t>;  // a cache element's bytes
   const int lb = __ffs(B) - 1;  // log2(B)
   if constexpr (L == CacheLayout::kNHD) {  // nhd / hnd: token rows at runtime strides
     constexpr int kChunks = D / 8;  // pieces of a token row
-    // the offsets inside a block fit 32 bits (see the vllm case below)
     const std::uint32_t head_off = static_cast<std::uint32_t>(kh) * static_cast<std::uint32_t>(p.head_stride);
     for (int u = prefill_tid(); u < C::kBN * kChunks; u += C::kThreads) {
       const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
       const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
       const int blk = live ? table[t >> lb] : 0;
-      const std::uint32_t i =
-          static_cast<std::uint32_t>(t & (B - 1)) * static_cast<std::uint32_t>(p.tok_stride) + head_off + c * 8;
-      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, static_cast<const E*>(p.key_cache) + blk * p.k_block_stride + i,
-                          live ? 8 : 0);
+      const std::uint32_t slot = static_cast<std::uint32_t>(t & (B - 1));
+      const std::uint32_t i = slot * static_cast<std::uint32_t>(p.tok_stride) + head_off + c * 8;
+      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8,
+                          static_cast<const E*>(p.key_cache) + blk * p.k_block_stride + i, live ? 8 : 0);
       prefill_load8<T, F>(vs + tt * C::kPitch + c * 8,
                           static_cast<const E*>(p.value_cache) + blk * p.v_block_stride + i, live ? 8 : 0);
     }
   } else {
     // vllm: the tile is cut into segments of bt tokens inside one block each: whole
     // blocks (B <= kBN, the tile starts on a block), or the tile's part of one block.
-    // B and bt are powers of two (supported::kCudaBlockSizes), so the index arithmetic is
-    // shifts and masks; the offsets inside a block fit 32 bits (a block holds fewer than
-    // 2^32 elements: K < 2^16, D and B <= 256), only the block's start needs 64.
     constexpr int kX = 16 / C::kE;       // elements per 16-byte chunk of the key layout
     constexpr int kH = kX / 8;           // 8-element pieces per chunk
     constexpr int kD8 = D / 8;           // 8-element pieces of a token's key or value
-    const int lbt = min(lb, C::kLog2BN);   // log2(bt), bt = tokens per segment
+    const int lbt = min(lb, C::kLog2BN);  // log2(bt), bt = tokens per segment
     const int bt = 1 << lbt;
     // KV head kh's part of a block: keys [D/x][B][x] and values [D][B], both D * B long.
     const std::uint32_t head_off = static_cast<std::uint32_t>(kh) * (D * B);
@@ -153,7 +153,8 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
       const int blk = live ? table[t_seg >> lb] : 0;
       // keys [D/x][B][x]: piece pc = (chunk * bt + token) * kH + half
       const int tok = (pc / kH) & (bt - 1), chunk = (pc / kH) >> lbt, half = pc % kH;
-      const std::uint32_t ko = head_off + static_cast<std::uint32_t>((chunk << lb) + o0 + tok) * kX + half * 8;
+      const std::uint32_t ko =
+          head_off + static_cast<std::uint32_t>((chunk << lb) + o0 + tok) * kX + half * 8;
       prefill_load8<T, F>(ks + ((si << lbt) + tok) * C::kPitch + chunk * kX + half * 8,
                           static_cast<const E*>(p.key_cache) + blk * p.k_block_stride + ko,
                           live && t_seg + tok < kv_end ? 8 : 0);
@@ -172,8 +173,8 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
         const int vd = u / C::kBN, tt = u % C::kBN, t = t0 + tt;
         T v = from_float<T>(0.0f);
         if (t < kv_end && t >= kv_lo) {
-          const std::int64_t vi =
-              table[t >> lb] * p.v_block_stride + head_off + static_cast<std::uint32_t>((vd << lb) + (t & (B - 1)));
+          const std::int64_t vi = table[t >> lb] * p.v_block_stride + head_off +
+                                  static_cast<std::uint32_t>((vd << lb) + (t & (B - 1)));
           if constexpr (F == KVCacheDType::kAuto) v = reinterpret_cast<const T*>(vc)[vi];
           else v = from_float<T>(fp8_to_float<F>(vc[vi]));
         }
@@ -226,13 +227,15 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     return;
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  // Key tile kt (keys [kt * kBN, kt * kBN + kBN)) lives in ring stage kt % 2; the tiles run
-  // from the one holding kv_begin to the one holding kv_end - 1.
+  // The key tile starting at t0 (a multiple of kBN) lives in ring stage t0 / kBN % 2; the
+  // tiles run from the one holding kv_begin to the one holding kv_end - 1. Only the first
+  // may hold keys before kv_begin: the later ones load with no lower bound (kv_lo = 0).
   const int t_first = kv_begin / C::kBN * C::kBN;
   const int stage_first = t_first / C::kBN & 1;
 
   if constexpr (!C::kQInRegs) {  // Q has room of its own: the first key tile loads meanwhile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end, ks_base + stage_first * (C::kKBytes / 2),
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end,
+                                     ks_base + stage_first * (C::kKBytes / 2),
                                      vs_base + stage_first * (C::kVBytes / 2));
     cp_async_commit();
   }
@@ -260,7 +263,8 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) q_frag(qf[kk], 0, kk);
     __syncthreads();  // the ring's first stage overwrites the staged Q tile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end, ks_base + stage_first * (C::kKBytes / 2),
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end,
+                                     ks_base + stage_first * (C::kKBytes / 2),
                                      vs_base + stage_first * (C::kVBytes / 2));
     cp_async_commit();
   }
@@ -296,7 +300,8 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     if (t0 + C::kBN < kv_end) {
       const int nxt = stage ^ 1;
       // the block table's row again from s (one register across the loop, not a pointer's two)
-      const std::int32_t* row = p.block_tables + static_cast<std::int64_t>(prefill_opaque(s)) * p.max_blocks_per_seq;
+      const std::int32_t* row =
+          p.block_tables + static_cast<std::int64_t>(prefill_opaque(s)) * p.max_blocks_per_seq;
       prefill_load_tile<C, T, F, D, L>(p, row, kh, t0 + C::kBN, 0, kv_end,
                                        ks_base + nxt * (C::kKBytes / 2), vs_base + nxt * (C::kVBytes / 2));
       cp_async_commit();
