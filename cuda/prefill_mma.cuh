@@ -39,6 +39,7 @@ struct PrefillMmaConfig {
   static constexpr int kMT = D <= 128 ? PAGEDATTN_PREFILL_MT : 1;
   static constexpr int kBM = 16 * kMT * kWarps;                      // packed query rows per CTA
   static constexpr int kBN = D <= 128 ? PAGEDATTN_PREFILL_BN : 32;   // keys per tile
+  static constexpr int kLog2BN = kBN == 16 ? 4 : kBN == 32 ? 5 : kBN == 64 ? 6 : kBN == 128 ? 7 : -1;
   static constexpr int kPitch = D + 8;              // elements per row of Q, K and nhd V
   static constexpr int kVtPitch = kBN + 8;          // elements per row of vllm V ([D][kBN])
   static constexpr int kQBytes = kBM * kPitch * 2;
@@ -55,8 +56,25 @@ struct PrefillMmaConfig {
   // CTAs per SM the registers must allow (3 x 128 threads: at most 170 registers each)
   // where the accumulators fit that; 1 otherwise.
   static constexpr int kMinBlocks = D <= 128 && kMT == 1 ? 3 : 1;
+  static_assert(kLog2BN > 0, "keys per tile: 16, 32, 64 or 128");
   static_assert(D % 16 == 0, "the tensor-core prefill kernel needs a head size multiple of 16");
 };
+
+// threadIdx.x, read where it is used (a volatile read is never moved out of a loop): what
+// the key-tile loop computes from it is recomputed at each tile rather than kept in
+// registers across the loop, which the accumulators fill.
+__device__ __forceinline__ int prefill_tid() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
+// x, hidden from the compiler's loop-invariant code motion in the same way: what a loop
+// computes from the result is recomputed at each iteration.
+__device__ __forceinline__ int prefill_opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Eight consecutive cache elements (16 bytes of a 16-bit cache, 8 of an fp8 one) into 16
 // bytes of shared memory as T; `n` of them valid (the rest are zeros, never read).
@@ -69,10 +87,13 @@ __device__ __forceinline__ void prefill_load8(void* dst, const void* src, int n)
     if (n == 8) {
       raw = *static_cast<const uint2*>(src);
     } else {
+      // (two words, not an array indexed at run time, which would live in local memory)
       const auto* b = static_cast<const std::uint8_t*>(src);
-      std::uint32_t w[2] = {0, 0};
-      for (int i = 0; i < n; ++i) w[i / 4] |= static_cast<std::uint32_t>(b[i]) << (8 * (i % 4));
-      raw = make_uint2(w[0], w[1]);
+      for (int i = 0; i < n; ++i) {
+        const std::uint32_t byte = static_cast<std::uint32_t>(b[i]) << (8 * (i % 4));
+        if (i < 4) raw.x |= byte;
+        else raw.y |= byte;
+      }
     }
     uint4 v;
     v.x = fp8x2_to<T, F>(raw.x);
@@ -92,52 +113,68 @@ template <class C, class T, KVCacheDType F, int D, CacheLayout L>
 __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, const std::int32_t* table, int kh,
                                                   int t0, int kv_lo, int kv_end, T* ks, T* vs) {
   const int B = p.block_size;
-  const auto* kc = static_cast<const std::uint8_t*>(p.key_cache);
   const auto* vc = static_cast<const std::uint8_t*>(p.value_cache);
+  // B is a power of two (supported::kCudaBlockSizes; the vllm segments below rely on it
+  // too), so the block arithmetic is shifts and masks. Offsets inside a block fit 32 bits
+  // unsigned: a block holds K * D * B < 2^32 elements (K <= 65535, the grid's y; D and B
+  // <= 256); only a block's start, id * block stride, needs 64.
+  using E = std::conditional_t<C::kE == 2, std::uint16_t, std::uint8_t>;  // a cache element's bytes
+  const int lb = __ffs(B) - 1;  // log2(B)
   if constexpr (L == CacheLayout::kNHD) {  // nhd / hnd: token rows at runtime strides
     constexpr int kChunks = D / 8;  // pieces of a token row
-    for (int u = threadIdx.x; u < C::kBN * kChunks; u += C::kThreads) {
+    const std::uint32_t head_off = static_cast<std::uint32_t>(kh) * static_cast<std::uint32_t>(p.head_stride);
+    for (int u = prefill_tid(); u < C::kBN * kChunks; u += C::kThreads) {
       const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
       const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
-      const std::int64_t blk = live ? table[t / B] : 0;
-      const std::int64_t i = (t % B) * p.tok_stride + kh * p.head_stride + c * 8;
-      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8, kc + (blk * p.k_block_stride + i) * C::kE, live ? 8 : 0);
-      prefill_load8<T, F>(vs + tt * C::kPitch + c * 8, vc + (blk * p.v_block_stride + i) * C::kE, live ? 8 : 0);
+      const int blk = live ? table[t >> lb] : 0;
+      const std::uint32_t slot = static_cast<std::uint32_t>(t & (B - 1));
+      const std::uint32_t i = slot * static_cast<std::uint32_t>(p.tok_stride) + head_off + c * 8;
+      prefill_load8<T, F>(ks + tt * C::kPitch + c * 8,
+                          static_cast<const E*>(p.key_cache) + blk * p.k_block_stride + i, live ? 8 : 0);
+      prefill_load8<T, F>(vs + tt * C::kPitch + c * 8,
+                          static_cast<const E*>(p.value_cache) + blk * p.v_block_stride + i, live ? 8 : 0);
     }
   } else {
     // vllm: the tile is cut into segments of bt tokens inside one block each: whole
     // blocks (B <= kBN, the tile starts on a block), or the tile's part of one block.
     constexpr int kX = 16 / C::kE;       // elements per 16-byte chunk of the key layout
-    const int bt = min(B, C::kBN);       // tokens per segment
-    const int per_seg = D * bt / 8;      // 8-element pieces of one segment (keys; values if bt >= 8)
-    const int segs = C::kBN / bt;
-    for (int u = threadIdx.x; u < segs * per_seg; u += C::kThreads) {
-      const int si = u / per_seg, pc = u % per_seg;
-      const int t_seg = t0 + si * bt, o0 = t_seg % B;  // the segment's first token, its offset in the block
+    constexpr int kH = kX / 8;           // 8-element pieces per chunk
+    constexpr int kD8 = D / 8;           // 8-element pieces of a token's key or value
+    const int lbt = min(lb, C::kLog2BN);  // log2(bt), bt = tokens per segment
+    const int bt = 1 << lbt;
+    // KV head kh's part of a block: keys [D/x][B][x] and values [D][B], both D * B long.
+    const std::uint32_t head_off = static_cast<std::uint32_t>(kh) * (D * B);
+    for (int u = prefill_tid(); u < C::kBN * kD8; u += C::kThreads) {
+      // 8-element pieces u = si * (kD8 * bt) + pc: segment si, piece pc of it
+      const int si = (u >> lbt) / kD8;
+      const int pc = u - ((si * kD8) << lbt);
+      const int t_seg = t0 + (si << lbt), o0 = t_seg & (B - 1);  // the segment's first token, its slot
       const bool live = t_seg < kv_end && t_seg >= kv_lo;  // kv_lo: block-aligned
-      const std::int64_t blk = live ? table[t_seg / B] : 0;
-      // keys [D/x][B][x]: piece pc = (chunk * bt + token) * (kX / 8) + half
-      const int tok = pc / (kX / 8) % bt, chunk = pc / (kX / 8) / bt, half = pc % (kX / 8);
-      const std::int64_t ki = blk * p.k_block_stride +
-                              ((static_cast<std::int64_t>(kh) * (D / kX) + chunk) * B + o0 + tok) * kX + half * 8;
-      prefill_load8<T, F>(ks + (si * bt + tok) * C::kPitch + chunk * kX + half * 8, kc + ki * C::kE,
+      const int blk = live ? table[t_seg >> lb] : 0;
+      // keys [D/x][B][x]: piece pc = (chunk * bt + token) * kH + half
+      const int tok = (pc / kH) & (bt - 1), chunk = (pc / kH) >> lbt, half = pc % kH;
+      const std::uint32_t ko =
+          head_off + static_cast<std::uint32_t>((chunk << lb) + o0 + tok) * kX + half * 8;
+      prefill_load8<T, F>(ks + ((si << lbt) + tok) * C::kPitch + chunk * kX + half * 8,
+                          static_cast<const E*>(p.key_cache) + blk * p.k_block_stride + ko,
                           live && t_seg + tok < kv_end ? 8 : 0);
       if (bt >= 8) {  // values [D][B]: piece pc = dim * (bt / 8) + group of 8 tokens
-        const int vd = pc / (bt / 8), vt = pc % (bt / 8) * 8;
-        const std::int64_t vi = blk * p.v_block_stride + (static_cast<std::int64_t>(kh) * D + vd) * B + o0 + vt;
-        prefill_load8<T, F>(vs + vd * C::kVtPitch + si * bt + vt, vc + vi * C::kE,
+        const int vd = pc >> (lbt - 3), vt = (pc & (bt / 8 - 1)) * 8;
+        const std::uint32_t vo = head_off + static_cast<std::uint32_t>((vd << lb) + o0 + vt);
+        prefill_load8<T, F>(vs + vd * C::kVtPitch + (si << lbt) + vt,
+                            static_cast<const E*>(p.value_cache) + blk * p.v_block_stride + vo,
                             live ? min(8, max(0, kv_end - (t_seg + vt))) : 0);
       }
     }
     if (B < 8) {
       // A block's run of one dim is shorter than an 8-element piece: values element by
       // element (zeros past kv_end), converted as prefill_load8 converts.
-      for (int u = threadIdx.x; u < D * C::kBN; u += C::kThreads) {
+      for (int u = prefill_tid(); u < D * C::kBN; u += C::kThreads) {
         const int vd = u / C::kBN, tt = u % C::kBN, t = t0 + tt;
         T v = from_float<T>(0.0f);
         if (t < kv_end && t >= kv_lo) {
-          const std::int64_t vi =
-              table[t / B] * p.v_block_stride + (static_cast<std::int64_t>(kh) * D + vd) * B + t % B;
+          const std::int64_t vi = table[t >> lb] * p.v_block_stride + head_off +
+                                  static_cast<std::uint32_t>((vd << lb) + (t & (B - 1)));
           if constexpr (F == KVCacheDType::kAuto) v = reinterpret_cast<const T*>(vc)[vi];
           else v = from_float<T>(fp8_to_float<F>(vc[vi]));
         }
@@ -190,11 +227,16 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     return;
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
-  const int kt_first = kv_begin / C::kBN;
+  // The key tile starting at t0 (a multiple of kBN) lives in ring stage t0 / kBN % 2; the
+  // tiles run from the one holding kv_begin to the one holding kv_end - 1. Only the first
+  // may hold keys before kv_begin: the later ones load with no lower bound (kv_lo = 0).
+  const int t_first = kv_begin / C::kBN * C::kBN;
+  const int stage_first = t_first / C::kBN & 1;
 
   if constexpr (!C::kQInRegs) {  // Q has room of its own: the first key tile loads meanwhile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, kt_first * C::kBN, kv_lo, kv_end, ks_base, vs_base);
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end,
+                                     ks_base + stage_first * (C::kKBytes / 2),
+                                     vs_base + stage_first * (C::kVBytes / 2));
     cp_async_commit();
   }
   // Q tile (rows past the sequence's are zeros), element by element: the query may be
@@ -221,7 +263,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) q_frag(qf[kk], 0, kk);
     __syncthreads();  // the ring's first stage overwrites the staged Q tile
-    prefill_load_tile<C, T, F, D, L>(p, table, kh, kt_first * C::kBN, kv_lo, kv_end, ks_base, vs_base);
+    prefill_load_tile<C, T, F, D, L>(p, table, kh, t_first, kv_lo, kv_end,
+                                     ks_base + stage_first * (C::kKBytes / 2),
+                                     vs_base + stage_first * (C::kVBytes / 2));
     cp_async_commit();
   }
 
@@ -251,11 +295,14 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     m_run[mt][0] = m_run[mt][1] = -INFINITY;
     l_run[mt][0] = l_run[mt][1] = 0.0f;
   }
-  for (int kt = kt_first; kt < n_tiles; ++kt) {
-    const int stage = (kt - kt_first) & 1;
-    if (kt + 1 < n_tiles) {
+  for (int t0 = t_first; t0 < kv_end; t0 += C::kBN) {
+    const int stage = t0 / C::kBN & 1;
+    if (t0 + C::kBN < kv_end) {
       const int nxt = stage ^ 1;
-      prefill_load_tile<C, T, F, D, L>(p, table, kh, (kt + 1) * C::kBN, kv_lo, kv_end,
+      // the block table's row again from s (one register across the loop, not a pointer's two)
+      const std::int32_t* row =
+          p.block_tables + static_cast<std::int64_t>(prefill_opaque(s)) * p.max_blocks_per_seq;
+      prefill_load_tile<C, T, F, D, L>(p, row, kh, t0 + C::kBN, 0, kv_end,
                                        ks_base + nxt * (C::kKBytes / 2), vs_base + nxt * (C::kVBytes / 2));
       cp_async_commit();
       cp_async_wait<1>();
@@ -265,13 +312,15 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     __syncthreads();
     const T* ks = ks_base + stage * (C::kKBytes / 2);
     const T* vs = vs_base + stage * (C::kVBytes / 2);
-    if (kt == kt_first && kt * C::kBN < kv_begin) {
+    if (t0 < kv_begin) {
       // The window's first tile: the values of its block's slots before the window came in
       // with the copies and are zeroed, so they never meet a product (their logits are
       // masked below; a key only reaches its own column).
       T* v = vs_base + stage * (C::kVBytes / 2);
-      const int n = kv_begin - kt * C::kBN;
-      for (int i = threadIdx.x; i < n * D; i += C::kThreads) {
+      const int n = kv_begin - t0;
+      // (counted down from n * D, so that nothing of it is computed before the loop and
+      // kept live across it)
+      for (int i = n * D - 1 - static_cast<int>(threadIdx.x); i >= 0; i -= C::kThreads) {
         const int tt = i / D, d = i % D;
         v[L == CacheLayout::kVLLM ? d * C::kVtPitch + tt : tt * C::kPitch + d] = from_float<T>(0.0f);
       }
@@ -321,7 +370,6 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
           for (int e = 0; e < 4; ++e) sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.inv_soft_cap_log2);
     }
 
-    const int t0 = kt * C::kBN;
     const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
