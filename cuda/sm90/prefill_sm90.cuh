@@ -65,7 +65,8 @@ struct PrefillSm90Config {
   static constexpr int kVBytes = kBN * D * 2;
   static constexpr int kStageBytes = kKBytes + kVBytes;
   static constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
-  static constexpr int kIdsOffset = kBarOffset + 8 * (2 * kStages + 1 + 1);  // 16-byte aligned
+  static constexpr int kInfoOffset = kBarOffset + 8 * (2 * kStages + 1 + 1);  // 16-byte aligned
+  static constexpr int kIdsOffset = kInfoOffset + 64;
   static constexpr int kSmemBytes = kIdsOffset + 2 * kBN * 4 + 1024;
 };
 
@@ -210,6 +211,49 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
   return stored;
 }
 
+// A CTA's work as thread 0 reads it from the index arrays.
+struct Sm90Item {
+  int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN) or kItemSkip
+  int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
+  int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
+};
+constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
+
+template <int kBM>
+__device__ __forceinline__ Sm90Item decode_item(const PrefillKernelParams& p) {
+  Sm90Item it{};
+  it.kind = kItemSkip;
+  int s, tile;
+  if (p.flat_tiles) {
+    prefill_flat_task(p, kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
+    if (s < 0) return it;
+  } else {
+    s = blockIdx.z;
+    tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
+  }
+  const PrefillSeq q = prefill_seq(p, s);
+  if (p.skip_single && q.ok && q.q_len == 1) return it;  // the decode kernels serve it
+  const int G = p.group;
+  it.seq = s;
+  it.row0 = q.row0;
+  it.rows = q.q_len * G;
+  it.r_lo = tile * kBM;
+  if (it.r_lo >= it.rows) return it;
+  it.r_hi = min(it.rows, it.r_lo + kBM);
+  if (!q.ok) {
+    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
+    it.kind = kItemNaN;
+    it.r_end = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1 ? it.rows : it.r_hi;
+    return it;
+  }
+  it.kind = kItemAttend;
+  it.r_end = it.r_hi;
+  it.ctx = q.len - q.q_len;
+  it.kv_end = it.ctx + (it.r_hi - 1) / G + 1;  // keys the CTA's last row sees
+  it.kv_begin = prefill_window_first(p, it.ctx + it.r_lo / G);
+  return it;
+}
+
 template <class T, int D, CacheLayout L>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillKernelParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -224,32 +268,23 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   auto empty_bar = [&](int s) { return bar + 8 * (C::kStages + s); };
   const std::uint32_t q_bar = bar + 16 * C::kStages;
 
-  const int kh = blockIdx.y;
-  int s, tile;
-  if (p.flat_tiles) {
-    prefill_flat_task(p, C::kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
-    if (s < 0) return;
-  } else {
-    s = blockIdx.z;
-    tile = gridDim.x - 1 - blockIdx.x;
-  }
-  const PrefillSeq q = prefill_seq(p, s);
-  const int G = p.group;
-  if (p.skip_single && q.ok && q.q_len == 1) return;
-  const int rows = q.q_len * G;
-  const int r_lo = tile * C::kBM;
-  if (r_lo >= rows) return;
-  const int r_hi = min(rows, r_lo + C::kBM);
-  if (!q.ok) {
-    const bool last = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1;
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, last ? rows : r_hi);
+  // The CTA's work, read by thread 0 alone and shared: every thread takes its control
+  // flow (tile counts, ranges, early exits) from the same numbers, so that the warpgroups
+  // agree on every barrier whatever a caller does to the index arrays during the call.
+  auto* item = reinterpret_cast<Sm90Item*>(smem + C::kInfoOffset);
+  if (threadIdx.x == 0) *item = decode_item<C::kBM>(p);
+  __syncthreads();
+  const Sm90Item w = *item;
+  if (w.kind == kItemSkip) return;
+  const int kh = blockIdx.y, s = w.seq, G = p.group;
+  const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi, ctx = w.ctx;
+  if (w.kind == kItemNaN) {
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, w.r_end);
     return;
   }
-  const int ctx = q.len - q.q_len;
-  const int kv_end = ctx + (r_hi - 1) / G + 1;
-  const int kv_begin = prefill_window_first(p, ctx + r_lo / G);
+  const int kv_end = w.kv_end, kv_begin = w.kv_begin;
   if (!prefill_blocks_ok(p, s, kv_begin, kv_end)) {
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, r_hi);
     return;
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
@@ -277,7 +312,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       for (int u = ptid; u < C::kBM * (D / 8); u += 128) {
         const int rr = u / (D / 8), c = u % (D / 8), r = r_lo + rr;
         const T* src = qg;
-        if (r < rows) src = qg + static_cast<std::int64_t>(q.row0 + r / G) * p.q_stride_tok +
+        if (r < rows) src = qg + static_cast<std::int64_t>(w.row0 + r / G) * p.q_stride_tok +
                             static_cast<std::int64_t>(kh * G + r % G) * p.q_stride_head + c * 8;
         cp_async16(qs + swz(C::kBM, rr, c), src, r < rows ? 16 : 0);
       }
@@ -287,7 +322,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         const int rr = i / D, d = i % D, r = r_lo + rr;
         T v = from_float<T>(0.0f);
         if (r < rows) {
-          const int tok = q.row0 + r / G, h = kh * G + r % G;
+          const int tok = w.row0 + r / G, h = kh * G + r % G;
           v = qg[static_cast<std::int64_t>(tok) * p.q_stride_tok + static_cast<std::int64_t>(h) * p.q_stride_head + d];
         }
         *reinterpret_cast<T*>(qs + swz(C::kBM, rr, d / 8) + (d % 8) * 2) = v;
@@ -301,7 +336,10 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     const int lg_b = __ffs(p.block_size) - 1;  // page sizes are powers of two
     auto token_id = [&](int i) {
       const int t = (kt_first + i) * C::kBN + ptid;
-      return t >= kv_begin && t < kv_end ? table[t >> lg_b] : 0;
+      const std::int32_t id = t >= kv_begin && t < kv_end ? table[t >> lg_b] : 0;
+      // Checked above; an entry changed since then (a caller racing the kernel) reads block
+      // 0 rather than outside the pool.
+      return id >= 0 && id < p.num_blocks ? id : 0;
     };
     std::int32_t id_next = token_id(0);
     for (int i = 0; i < n_tiles; ++i) {
@@ -499,7 +537,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int r = r_lo + wrow + lane / 4 + hr * 8;
       if (r >= rows) continue;
-      const int tok = q.row0 + r / G, h = kh * G + r % G;
+      const int tok = w.row0 + r / G, h = kh * G + r % G;
       T* orow = static_cast<T*>(p.out) + static_cast<std::int64_t>(tok) * p.o_stride_tok +
                 static_cast<std::int64_t>(h) * p.o_stride_head;
       const float inv = p.v_scale / (l + prefill_sink(p, h, m_run[hr]));
