@@ -168,7 +168,7 @@ def test_cuda_cache_writes_keep_the_sign_of_nan_and_zero(kind, dtype, layout):
     kshape, vshape = pagedattn.kv_cache_shape(1, b, k, d, np.uint8, layout)
     kw = dict(kv_cache_dtype=kind, k_scale=0.5, v_scale=0.5)
     slots = np.arange(t, dtype=np.int64)
-    kc_h, vc_h = np.zeros(kshape, np.uint8), np.zeros(vshape, np.uint8)
+    kc_h, vc_h = np.full(kshape, 0x55, np.uint8), np.full(vshape, 0x55, np.uint8)  # slots no token writes: 0x55
     pagedattn.reshape_and_cache(key, value, kc_h, vc_h, slots, **kw)
     kc = torch.full(kshape, 0x55, dtype=torch.uint8, device=DEV)
     vc = torch.full(vshape, 0x55, dtype=torch.uint8, device=DEV)
