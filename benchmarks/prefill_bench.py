@@ -97,7 +97,7 @@ def sdpa_rows(q, k, v):
         is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
 
 
-def bench_shape(sh, g, dense, copy_bw, flashinfer):
+def bench_shape(sh, g, dense, copy_bw, flashinfer, peers=True):
     row = {"shape": sh.name, "T": sh.T, "pairs": sh.pairs}
     mql = max(q for _, q in sh.seqs)
     for layout in ("vllm", "nhd"):
@@ -105,6 +105,8 @@ def bench_shape(sh, g, dense, copy_bw, flashinfer):
         out = torch.empty_like(q)
         row[f"pagedattn_{layout}"] = timed(functools.partial(
             pagedattn.paged_attention, q, kc, vc, bt, sl, query_start_loc=qsl, max_query_len=mql, out=out))  # fmt: skip
+    if not peers:
+        return with_rates(row, sh, dense, copy_bw)
     # nhd cache for the peers: [N, B, K, D]
     q, kc, vc, bt, sl, qsl = make_inputs(sh, "nhd", g)
     spans = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(sh.seqs))]
@@ -138,6 +140,11 @@ def bench_shape(sh, g, dense, copy_bw, flashinfer):
                 row[f"flashinfer_{backend}"] = timed(functools.partial(w.run, q, (kc, vc)))
             except Exception as e:  # a backend this GPU or build lacks
                 row[f"flashinfer_{backend}"] = f"n/a ({type(e).__name__})"
+    return with_rates(row, sh, dense, copy_bw)
+
+
+def with_rates(row, sh, dense, copy_bw):
+    """Adds TFLOP/s, percent of the dense rate and KV GB/s beside every time of the row."""
     dense_rate = dense[sh.dtype]
     for key in list(row):
         if isinstance(row[key], float):
@@ -153,6 +160,9 @@ def bench_shape(sh, g, dense, copy_bw, flashinfer):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--pagedattn-only", action="store_true",
+                    help="time pagedattn alone (no SDPA or FlashInfer columns), e.g. to compare kernel families "
+                         "with PAGEDATTN_PREFILL_KERNEL=mma")  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -177,7 +187,7 @@ def main():
     ]
     rows = []
     for sh in shapes:
-        row = bench_shape(sh, g, dense, copy_bw, flashinfer)
+        row = bench_shape(sh, g, dense, copy_bw, flashinfer, peers=not args.pagedattn_only)
         rows.append(row)
         cells = [f"{k}={row[k]:.1f}us ({row.get(k + '_tflops', 0)} TF, {row.get(k + '_pct_dense', 0)}%)"
                  for k in row if isinstance(row[k], float) and not k.endswith(("tflops", "dense", "gbps"))]  # fmt: skip
