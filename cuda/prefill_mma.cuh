@@ -126,7 +126,7 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
     for (int u = prefill_tid(); u < C::kBN * kChunks; u += C::kThreads) {
       const int tt = u / kChunks, c = u % kChunks, t = t0 + tt;
       const bool live = t < kv_end && t >= kv_lo;  // kv_lo: block-aligned
-      const int blk = live ? table[t >> lb] : 0;
+      const int blk = live ? prefill_block_id(p, table, t >> lb) : 0;
       const std::uint32_t slot = static_cast<std::uint32_t>(t & (B - 1));
       const std::uint32_t i = slot * static_cast<std::uint32_t>(p.tok_stride) + head_off + c * 8;
       prefill_load8<T, F>(ks + tt * C::kPitch + c * 8,
@@ -150,7 +150,7 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
       const int pc = u - ((si * kD8) << lbt);
       const int t_seg = t0 + (si << lbt), o0 = t_seg & (B - 1);  // the segment's first token, its slot
       const bool live = t_seg < kv_end && t_seg >= kv_lo;  // kv_lo: block-aligned
-      const int blk = live ? table[t_seg >> lb] : 0;
+      const int blk = live ? prefill_block_id(p, table, t_seg >> lb) : 0;
       // keys [D/x][B][x]: piece pc = (chunk * bt + token) * kH + half
       const int tok = (pc / kH) & (bt - 1), chunk = (pc / kH) >> lbt, half = pc % kH;
       const std::uint32_t ko =
@@ -173,7 +173,7 @@ __device__ __forceinline__ void prefill_load_tile(const PrefillKernelParams& p, 
         const int vd = u / C::kBN, tt = u % C::kBN, t = t0 + tt;
         T v = from_float<T>(0.0f);
         if (t < kv_end && t >= kv_lo) {
-          const std::int64_t vi = table[t >> lb] * p.v_block_stride + head_off +
+          const std::int64_t vi = prefill_block_id(p, table, t >> lb) * p.v_block_stride + head_off +
                                   static_cast<std::uint32_t>((vd << lb) + (t & (B - 1)));
           if constexpr (F == KVCacheDType::kAuto) v = reinterpret_cast<const T*>(vc)[vi];
           else v = from_float<T>(fp8_to_float<F>(vc[vi]));

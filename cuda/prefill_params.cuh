@@ -149,6 +149,14 @@ __device__ __forceinline__ bool prefill_blocks_ok(const PrefillKernelParams& p, 
   return __syncthreads_or(bad) == 0;
 }
 
+// Entry i of a block-table row, as the loaders read it after prefill_blocks_ok: an entry
+// a caller changed since the check (racing the kernel) reads block 0, never a block
+// outside the pool. (Checked calls still report the first bad id they saw.)
+__device__ __forceinline__ int prefill_block_id(const PrefillKernelParams& p, const std::int32_t* row, int i) {
+  const int id = row[i];
+  return id >= 0 && id < p.num_blocks ? id : 0;
+}
+
 // Writes NaN to the rows [r_lo, r_hi) of packed (token, group head) rows of KV head kh of
 // a sequence whose first query row is row0 (an invalid sequence's outputs).
 template <class T>

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(co
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   float m = -INFINITY, l = 0.0f;
   for (int t = prefill_window_first(p, pos); t <= pos; ++t) {
-    const std::int64_t blk = table[t / p.block_size];
+    const std::int64_t blk = prefill_block_id(p, table, t / p.block_size);
     const int off = t % p.block_size;
     float part = 0.0f;
 #pragma unroll

@@ -336,10 +336,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     const int lg_b = __ffs(p.block_size) - 1;  // page sizes are powers of two
     auto token_id = [&](int i) {
       const int t = (kt_first + i) * C::kBN + ptid;
-      const std::int32_t id = t >= kv_begin && t < kv_end ? table[t >> lg_b] : 0;
-      // Checked above; an entry changed since then (a caller racing the kernel) reads block
-      // 0 rather than outside the pool.
-      return id >= 0 && id < p.num_blocks ? id : 0;
+      return t >= kv_begin && t < kv_end ? prefill_block_id(p, table, t >> lg_b) : 0;
     };
     std::int32_t id_next = token_id(0);
     for (int i = 0; i < n_tiles; ++i) {
