@@ -193,37 +193,27 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   T* ks_base = reinterpret_cast<T*>(smem);
   T* vs_base = reinterpret_cast<T*>(smem + 2 * C::kKBytes);
 
-  const int kh = blockIdx.y;
-  int s, tile;
-  if (p.flat_tiles) {
-    prefill_flat_task(p, C::kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
-    if (s < 0) return;
-  } else {
-    s = blockIdx.z;
-    tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
-  }
+  // The CTA's work, read by thread 0 alone and shared: every thread counts the same key
+  // tiles, so all meet each tile's barriers even if a caller changes the index arrays
+  // while the kernel runs.
+  __shared__ PrefillItem item_slot;
+  const PrefillItem w = prefill_shared_item<C::kBM, true>(p, &item_slot);
+  if (w.kind == kItemSkip) return;
+  const int kh = blockIdx.y, s = w.seq;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const PrefillSeq q = prefill_seq(p, s);
   const int G = p.group;
-  if (p.skip_single && q.ok && q.q_len == 1) return;  // the decode kernels serve it
-  const int rows = q.q_len * G;
-  const int r_lo = tile * C::kBM;
-  if (r_lo >= rows) return;
-  const int r_hi = min(rows, r_lo + C::kBM);
-  if (!q.ok) {
-    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
-    const bool last = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1;
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, last ? rows : r_hi);
+  const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi;
+  if (w.kind == kItemNaN) {
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, w.r_end);
     return;
   }
-  const int ctx = q.len - q.q_len;
-  const int kv_end = ctx + (r_hi - 1) / G + 1;  // keys the CTA's last row sees
-  // Sliding window: the CTA's first row's window starts first; the key tiles start at
-  // the tile holding it and the blocks before its block are never read.
-  const int kv_begin = prefill_window_first(p, ctx + r_lo / G);
+  const int ctx = w.ctx, kv_end = w.kv_end;
+  // Sliding window: the key tiles start at the tile holding the first row's window start
+  // and the blocks before its block are never read.
+  const int kv_begin = w.kv_begin;
   const int kv_lo = kv_begin / p.block_size * p.block_size;
   if (!prefill_blocks_ok(p, s, kv_begin, kv_end)) {
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, r_hi);
     return;
   }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
@@ -245,7 +235,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
     const int rr = i / D, d = i % D, r = r_lo + rr;
     T v = from_float<T>(0.0f);
     if (r < rows) {
-      const int tok = q.row0 + r / G, h = kh * G + r % G;
+      const int tok = w.row0 + r / G, h = kh * G + r % G;
       v = static_cast<const T*>(p.query)[tok * p.q_stride_tok + h * p.q_stride_head + d];
     }
     qs[rr * C::kPitch + d] = v;
@@ -454,7 +444,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int r = r_lo + wrow + mt * 16 + lane / 4 + hr * 8;
       if (r >= rows) continue;
-      const int tok = q.row0 + r / G, h = kh * G + r % G;
+      const int tok = w.row0 + r / G, h = kh * G + r % G;
       T* orow = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head;
       const float inv = p.v_scale / (l + prefill_sink(p, h, m_run[mt][hr]));
 #pragma unroll

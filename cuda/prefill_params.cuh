@@ -121,6 +121,67 @@ __device__ __forceinline__ int prefill_window_first(const PrefillKernelParams& p
   return p.sliding_window > 0 && pos >= p.sliding_window ? pos - p.sliding_window + 1 : 0;
 }
 
+// A CTA's work: which sequence and rows it computes, or that it fills rows with NaN, or
+// has nothing to do.
+struct PrefillItem {
+  int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN) or kItemSkip
+  int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
+  int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
+};
+constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
+
+// Reads the CTA's work from the index arrays: tile blockIdx.x of sequence blockIdx.z, or
+// the flat grid's task (prefill_flat_task). kLongestFirst counts the tiles from the top
+// of the grid, so the longest (last) tiles start first.
+template <int kBM, bool kLongestFirst>
+__device__ __forceinline__ PrefillItem prefill_item(const PrefillKernelParams& p) {
+  PrefillItem it{};
+  it.kind = kItemSkip;
+  const int top = static_cast<int>(gridDim.x) - 1;
+  const int c = kLongestFirst ? top - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+  int s, tile;
+  if (p.flat_tiles) {
+    prefill_flat_task(p, kBM, c, s, tile);
+    if (s < 0) return it;
+  } else {
+    s = blockIdx.z;
+    tile = c;
+  }
+  const PrefillSeq q = prefill_seq(p, s);
+  if (p.skip_single && q.ok && q.q_len == 1) return it;  // the decode kernels serve it
+  const int G = p.group;
+  it.seq = s;
+  it.row0 = q.row0;
+  it.rows = q.q_len * G;
+  it.r_lo = tile * kBM;
+  if (it.r_lo >= it.rows) return it;
+  it.r_hi = min(it.rows, it.r_lo + kBM);
+  if (!q.ok) {
+    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
+    it.kind = kItemNaN;
+    it.r_end = !p.flat_tiles && tile == top ? it.rows : it.r_hi;
+    return it;
+  }
+  it.kind = kItemAttend;
+  it.r_end = it.r_hi;
+  it.ctx = q.len - q.q_len;
+  it.kv_end = it.ctx + (it.r_hi - 1) / G + 1;  // keys the CTA's last row sees
+  // Sliding window: the CTA's first row's window starts first (no key before it is read).
+  it.kv_begin = prefill_window_first(p, it.ctx + it.r_lo / G);
+  return it;
+}
+
+// The CTA's work as thread 0 alone reads it, shared through `slot` (shared memory): every
+// thread takes its control flow (tile counts, ranges, early exits) from the same numbers,
+// so all threads meet every barrier whatever a caller does to the index arrays while the
+// kernel runs.
+template <int kBM, bool kLongestFirst>
+__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot) {
+  if (threadIdx.x == 0) *slot = prefill_item<kBM, kLongestFirst>(p);
+  __syncthreads();
+  return *slot;
+}
+
 // A base-2 logit through the soft cap (when on: a uniform branch).
 __device__ __forceinline__ float prefill_soft_capped(const PrefillKernelParams& p, float v) {
   return p.soft_cap_log2 > 0.f ? p.soft_cap_log2 * tanhf(v * p.inv_soft_cap_log2) : v;

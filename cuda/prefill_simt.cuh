@@ -35,29 +35,26 @@ __device__ __forceinline__ float prefill_cache_elem(const PrefillKernelParams& p
 
 template <class T, KVCacheDType F, CacheLayout L>
 __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(const __grid_constant__ PrefillKernelParams p) {
-  const int s = blockIdx.z, kh = blockIdx.y;
+  // The CTA's work, read by thread 0 alone and shared: all threads reach the block check's
+  // barrier even if a caller changes the index arrays while the kernel runs.
+  __shared__ PrefillItem item_slot;
+  const PrefillItem w = prefill_shared_item<kPrefillSimtWarps, false>(p, &item_slot);
+  if (w.kind == kItemSkip) return;
+  const int s = w.seq, kh = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const PrefillSeq q = prefill_seq(p, s);
-  if (p.skip_single && q.ok && q.q_len == 1) return;  // the decode kernels serve it
-  const int rows = q.q_len * p.group;
-  const int r_lo = blockIdx.x * kPrefillSimtWarps;
-  if (r_lo >= rows) return;
-  const int r_hi = min(rows, r_lo + kPrefillSimtWarps);
-  if (!q.ok) {
-    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, blockIdx.x + 1 == gridDim.x ? rows : r_hi);
+  const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi;
+  if (w.kind == kItemNaN) {
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, w.r_end);
     return;
   }
-  const int ctx = q.len - q.q_len;
-  const int kv_end = ctx + (r_hi - 1) / p.group + 1;  // keys the CTA's last row sees
-  // the CTA's first row's window starts first: blocks before it are not read
-  if (!prefill_blocks_ok(p, s, prefill_window_first(p, ctx + r_lo / p.group), kv_end)) {
-    prefill_fill_nan<T>(p, q.row0, kh, r_lo, r_hi);
+  const int ctx = w.ctx;
+  if (!prefill_blocks_ok(p, s, w.kv_begin, w.kv_end)) {
+    prefill_fill_nan<T>(p, w.row0, kh, r_lo, r_hi);
     return;
   }
   const int r = r_lo + warp;
   if (r >= rows) return;
-  const int tok = q.row0 + r / p.group, h = kh * p.group + r % p.group;
+  const int tok = w.row0 + r / p.group, h = kh * p.group + r % p.group;
   const int pos = ctx + r / p.group;
   const int D = p.head_size;
   const T* qrow = static_cast<const T*>(p.query) + tok * p.q_stride_tok + h * p.q_stride_head;

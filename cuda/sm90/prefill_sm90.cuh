@@ -211,49 +211,6 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
   return stored;
 }
 
-// A CTA's work as thread 0 reads it from the index arrays.
-struct Sm90Item {
-  int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN) or kItemSkip
-  int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
-  int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
-};
-constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
-
-template <int kBM>
-__device__ __forceinline__ Sm90Item decode_item(const PrefillKernelParams& p) {
-  Sm90Item it{};
-  it.kind = kItemSkip;
-  int s, tile;
-  if (p.flat_tiles) {
-    prefill_flat_task(p, kBM, static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x), s, tile);
-    if (s < 0) return it;
-  } else {
-    s = blockIdx.z;
-    tile = gridDim.x - 1 - blockIdx.x;  // the longest (last) tiles start first
-  }
-  const PrefillSeq q = prefill_seq(p, s);
-  if (p.skip_single && q.ok && q.q_len == 1) return it;  // the decode kernels serve it
-  const int G = p.group;
-  it.seq = s;
-  it.row0 = q.row0;
-  it.rows = q.q_len * G;
-  it.r_lo = tile * kBM;
-  if (it.r_lo >= it.rows) return it;
-  it.r_hi = min(it.rows, it.r_lo + kBM);
-  if (!q.ok) {
-    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
-    it.kind = kItemNaN;
-    it.r_end = !p.flat_tiles && tile == static_cast<int>(gridDim.x) - 1 ? it.rows : it.r_hi;
-    return it;
-  }
-  it.kind = kItemAttend;
-  it.r_end = it.r_hi;
-  it.ctx = q.len - q.q_len;
-  it.kv_end = it.ctx + (it.r_hi - 1) / G + 1;  // keys the CTA's last row sees
-  it.kv_begin = prefill_window_first(p, it.ctx + it.r_lo / G);
-  return it;
-}
-
 template <class T, int D, CacheLayout L>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillKernelParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -268,13 +225,10 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   auto empty_bar = [&](int s) { return bar + 8 * (C::kStages + s); };
   const std::uint32_t q_bar = bar + 16 * C::kStages;
 
-  // The CTA's work, read by thread 0 alone and shared: every thread takes its control
-  // flow (tile counts, ranges, early exits) from the same numbers, so that the warpgroups
-  // agree on every barrier whatever a caller does to the index arrays during the call.
-  auto* item = reinterpret_cast<Sm90Item*>(smem + C::kInfoOffset);
-  if (threadIdx.x == 0) *item = decode_item<C::kBM>(p);
-  __syncthreads();
-  const Sm90Item w = *item;
+  // The CTA's work, read by thread 0 alone and shared (the warpgroups agree on every
+  // barrier whatever a caller does to the index arrays during the call).
+  const PrefillItem w =
+      prefill_shared_item<C::kBM, true>(p, reinterpret_cast<PrefillItem*>(smem + C::kInfoOffset));
   if (w.kind == kItemSkip) return;
   const int kh = blockIdx.y, s = w.seq, G = p.group;
   const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi, ctx = w.ctx;
