@@ -57,63 +57,31 @@ struct PrefillSeq {
   bool ok;    // false: the index arrays are invalid for this sequence (outputs get NaN)
 };
 
-// Reads and checks sequence s's query range and length. Every thread of the CTA reads
-// the same values, so all agree. A bad entry is recorded (checked calls) and makes the
+// Checks sequence s's query range [a, b) and length len (read once by the caller from
+// query_start_loc and seq_lens). A bad entry is recorded (checked calls) and makes the
 // sequence's rows NaN; nothing outside the arrays is ever read or written.
-__device__ __forceinline__ PrefillSeq prefill_seq(const PrefillKernelParams& p, int s) {
+__device__ __forceinline__ PrefillSeq prefill_seq(const PrefillKernelParams& p, int s, int a, int b, int len) {
   PrefillSeq q;
-  const int a = p.query_start_loc[s], b = p.query_start_loc[s + 1];
   q.row0 = a;
   q.q_len = b - a;
-  q.len = p.seq_lens[s];
+  q.len = len;
   q.ok = true;
   const std::int64_t max_len = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size;
   if (a < 0 || b < a || b > p.num_tokens) {
-    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kQueryStart, s, a, b);
+    record_error(p.error, DecodeErrorFlag::kQueryStart, s, a, b);
     q.ok = false;
     // The part of [a, b) inside the query gets NaN.
     q.row0 = a < 0 ? 0 : (a > p.num_tokens ? p.num_tokens : a);
     const int hi = b < q.row0 ? q.row0 : (b > p.num_tokens ? p.num_tokens : b);
     q.q_len = hi - q.row0;
   } else if (q.len < 0 || q.len > max_len) {
-    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kSeqLen, s, -1, q.len);
+    record_error(p.error, DecodeErrorFlag::kSeqLen, s, -1, q.len);
     q.ok = false;
   } else if (q.q_len > q.len || (p.max_query_len >= 0 && q.q_len > p.max_query_len)) {
-    if (threadIdx.x == 0) record_error(p.error, DecodeErrorFlag::kQueryRows, s, q.q_len, q.len);
+    record_error(p.error, DecodeErrorFlag::kQueryRows, s, q.q_len, q.len);
     q.ok = false;
   }
   return q;
-}
-
-// The flat grid of the tensor-core kernel: CTA c (counted from the top, so the longest
-// tiles start first) works on tile c - first(s) of the sequence s with the largest
-// first(s) = floor(qsl[s] * G / rows_per_cta) + s <= c. Sequence s needs
-// ceil(q_s * G / rows_per_cta) tiles and first(s + 1) - first(s) is at least that, so
-// the ranges never overlap and ceil(T * G / rows_per_cta) + S CTAs cover every tile; CTAs
-// in the gaps find no tile (s = -1). Found by binary search over query_start_loc, so the
-// grid needs no device data on the host and no idle CTA per (sequence, tile bound). With
-// an invalid query_start_loc the search still ends, on some sequence, which the CTA then
-// checks like any other.
-__device__ __forceinline__ void prefill_flat_task(const PrefillKernelParams& p, int rows_per_cta, int c, int& s,
-                                                  int& tile) {
-  auto first = [&](int i) {
-    return static_cast<std::int64_t>(p.query_start_loc[i]) * p.group / rows_per_cta + i;
-  };
-  int lo = 0, hi = p.num_seqs - 1;  // the answer lies in [lo, hi] when first(lo) <= c
-  if (first(0) > c) {
-    s = -1;
-    return;
-  }
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (first(mid) <= c) lo = mid;
-    else hi = mid - 1;
-  }
-  const std::int64_t t = c - first(lo);
-  const std::int64_t q = static_cast<std::int64_t>(p.query_start_loc[lo + 1]) - p.query_start_loc[lo];
-  const std::int64_t need = q > 0 ? (q * p.group + rows_per_cta - 1) / rows_per_cta : 0;
-  s = t < need ? lo : -1;
-  tile = static_cast<int>(t);
 }
 
 // The first key a row at position pos sees: 0, or with a sliding window pos - W + 1.
@@ -130,56 +98,111 @@ struct PrefillItem {
 };
 constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
 
-// Reads the CTA's work from the index arrays: tile blockIdx.x of sequence blockIdx.z, or
-// the flat grid's task (prefill_flat_task). kLongestFirst counts the tiles from the top
-// of the grid, so the longest (last) tiles start first.
+// The flat grid of the tensor-core kernel: CTA c (counted from the top, so the longest
+// tiles start first) works on tile c - first(s) of the sequence s with the largest
+// first(s) = floor(qsl[s] * G / rows_per_cta) + s <= c. Sequence s needs
+// ceil(q_s * G / rows_per_cta) tiles and first(s + 1) - first(s) is at least that, so
+// the ranges never overlap and ceil(T * G / rows_per_cta) + S CTAs cover every tile; CTAs
+// in the gaps find no tile (s = -1). Found by binary search over query_start_loc, so the
+// grid needs no device data on the host and no idle CTA per (sequence, tile bound). With
+// an invalid query_start_loc the search still ends, on some sequence, which the CTA then
+// checks like any other.
+//
+// One warp searches: each round, its 32 lanes read first() at 32 evenly spaced sequences
+// of the remaining range and a ballot keeps the part after the last one <= c, so a batch
+// of up to 32 sequences takes one round of loads, up to 1024 two. Each lane reads its
+// sequence's query_start_loc pair and seq_lens entry in the same round, and the CTA's
+// work is computed from the values of that one read (a caller changing the arrays during
+// the call cannot make the search and the checks see different numbers).
 template <int kBM, bool kLongestFirst>
-__device__ __forceinline__ PrefillItem prefill_item(const PrefillKernelParams& p) {
+__device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelParams& p) {
   PrefillItem it{};
   it.kind = kItemSkip;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
   const int top = static_cast<int>(gridDim.x) - 1;
   const int c = kLongestFirst ? top - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
-  int s, tile;
-  if (p.flat_tiles) {
-    prefill_flat_task(p, kBM, c, s, tile);
-    if (s < 0) return it;
-  } else {
-    s = blockIdx.z;
-    tile = c;
-  }
-  const PrefillSeq q = prefill_seq(p, s);
-  if (p.skip_single && q.ok && q.q_len == 1) return it;  // the decode kernels serve it
   const int G = p.group;
-  it.seq = s;
-  it.row0 = q.row0;
-  it.rows = q.q_len * G;
-  it.r_lo = tile * kBM;
-  if (it.r_lo >= it.rows) return it;
-  it.r_hi = min(it.rows, it.r_lo + kBM);
-  if (!q.ok) {
-    // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
-    it.kind = kItemNaN;
-    it.r_end = !p.flat_tiles && tile == top ? it.rows : it.r_hi;
+  int lo = p.flat_tiles ? 0 : static_cast<int>(blockIdx.z);
+  int hi = p.flat_tiles ? p.num_seqs - 1 : lo;
+  for (;;) {
+    const int stride = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32)
+    const int idx = lo + lane * stride;
+    const bool in = idx <= hi;
+    int a = 0, b = 0, len = 0;
+    if (in) {
+      a = p.query_start_loc[idx];
+      b = p.query_start_loc[idx + 1];
+      len = p.seq_lens[idx];
+    }
+    const std::int64_t first = static_cast<std::int64_t>(a) * G / kBM + idx;
+    const unsigned le = __ballot_sync(0xffffffffu, in && (!p.flat_tiles || first <= c));
+    if (le == 0) return it;  // no sequence starts at or before c: a gap
+    const int k = 31 - __clz(le);
+    if (stride > 1) {
+      const int nlo = lo + k * stride;
+      hi = min(hi, nlo + stride - 1);
+      lo = nlo;
+      continue;
+    }
+    // the sequence: lane k holds its values
+    const int s = lo + k;
+    a = __shfl_sync(0xffffffffu, a, k);
+    b = __shfl_sync(0xffffffffu, b, k);
+    len = __shfl_sync(0xffffffffu, len, k);
+    std::int64_t tile = c;
+    if (p.flat_tiles) {
+      tile = c - (static_cast<std::int64_t>(a) * G / kBM + s);
+      const std::int64_t q = static_cast<std::int64_t>(b) - a;
+      const std::int64_t need = q > 0 ? (q * G + kBM - 1) / kBM : 0;
+      if (tile >= need) return it;  // a gap after sequence s
+    }
+    if (lane != 0) return it;  // one lane records errors and decides
+    const PrefillSeq sq = prefill_seq(p, s, a, b, len);
+    if (p.skip_single && sq.ok && sq.q_len == 1) return it;  // the decode kernels serve it
+    it.seq = s;
+    it.row0 = sq.row0;
+    it.rows = sq.q_len * G;
+    // (64 bits: with an invalid query_start_loc the tile can lie far past any row)
+    if (tile < 0 || tile * kBM >= it.rows) return it;
+    it.r_lo = static_cast<int>(tile * kBM);
+    it.r_hi = min(it.rows, it.r_lo + kBM);
+    if (!sq.ok) {
+      // The last tile's CTA also covers rows past the grid (a max_query_len that was too small).
+      it.kind = kItemNaN;
+      it.r_end = !p.flat_tiles && tile == top ? it.rows : it.r_hi;
+      return it;
+    }
+    it.kind = kItemAttend;
+    it.r_end = it.r_hi;
+    it.ctx = sq.len - sq.q_len;
+    it.kv_end = it.ctx + (it.r_hi - 1) / G + 1;  // keys the CTA's last row sees
+    // Sliding window: the CTA's first row's window starts first (no key before it is read).
+    it.kv_begin = prefill_window_first(p, it.ctx + it.r_lo / G);
     return it;
   }
-  it.kind = kItemAttend;
-  it.r_end = it.r_hi;
-  it.ctx = q.len - q.q_len;
-  it.kv_end = it.ctx + (it.r_hi - 1) / G + 1;  // keys the CTA's last row sees
-  // Sliding window: the CTA's first row's window starts first (no key before it is read).
-  it.kv_begin = prefill_window_first(p, it.ctx + it.r_lo / G);
-  return it;
 }
 
-// The CTA's work as thread 0 alone reads it, shared through `slot` (shared memory): every
+// The CTA's work as warp 0 alone reads it, shared through `slot` (shared memory): every
 // thread takes its control flow (tile counts, ranges, early exits) from the same numbers,
 // so all threads meet every barrier whatever a caller does to the index arrays while the
-// kernel runs.
-template <int kBM, bool kLongestFirst>
-__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot) {
-  if (threadIdx.x == 0) *slot = prefill_item<kBM, kLongestFirst>(p);
+// kernel runs. `before_sync` runs on thread 0 ahead of the barrier (setup that every
+// thread needs, e.g. mbarrier initialisation).
+template <int kBM, bool kLongestFirst, class F>
+__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot,
+                                                           F&& before_sync) {
+  if (threadIdx.x < 32) {
+    const PrefillItem it = prefill_item_warp<kBM, kLongestFirst>(p);
+    if (threadIdx.x == 0) {
+      *slot = it;
+      before_sync();
+    }
+  }
   __syncthreads();
   return *slot;
+}
+template <int kBM, bool kLongestFirst>
+__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot) {
+  return prefill_shared_item<kBM, kLongestFirst>(p, slot, [] {});
 }
 
 // A base-2 logit through the soft cap (when on: a uniform branch).

@@ -66,6 +66,7 @@ struct PrefillSm90Config {
   static constexpr int kStageBytes = kKBytes + kVBytes;
   static constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
   static constexpr int kInfoOffset = kBarOffset + 8 * (2 * kStages + 1 + 1);  // 16-byte aligned
+  static constexpr int kFlagOffset = kInfoOffset + 48;  // after the PrefillItem: a bad block id was read
   static constexpr int kIdsOffset = kInfoOffset + 64;
   static constexpr int kSmemBytes = kIdsOffset + 2 * kBN * 4 + 1024;
 };
@@ -225,10 +226,20 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   auto empty_bar = [&](int s) { return bar + 8 * (C::kStages + s); };
   const std::uint32_t q_bar = bar + 16 * C::kStages;
 
-  // The CTA's work, read by thread 0 alone and shared (the warpgroups agree on every
-  // barrier whatever a caller does to the index arrays during the call).
+  // The CTA's work, read by warp 0 alone and shared (the warpgroups agree on every
+  // barrier whatever a caller does to the index arrays during the call); thread 0 sets up
+  // the mbarriers before the one barrier that publishes both.
+  volatile int* bad_flag = reinterpret_cast<volatile int*>(smem + C::kFlagOffset);
   const PrefillItem w =
-      prefill_shared_item<C::kBM, true>(p, reinterpret_cast<PrefillItem*>(smem + C::kInfoOffset));
+      prefill_shared_item<C::kBM, true>(p, reinterpret_cast<PrefillItem*>(smem + C::kInfoOffset), [&] {
+        for (int i = 0; i < C::kStages; ++i) {
+          mbar_init(full_bar(i), 128);   // every producer thread, once its copies landed
+          mbar_init(empty_bar(i), 256);  // every consumer thread, once done with the stage
+        }
+        mbar_init(q_bar, 128);
+        *bad_flag = 0;
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      });
   if (w.kind == kItemSkip) return;
   const int kh = blockIdx.y, s = w.seq, G = p.group;
   const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi, ctx = w.ctx;
@@ -236,24 +247,12 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     prefill_fill_nan<T>(p, w.row0, kh, r_lo, w.r_end);
     return;
   }
+  // The block ids are checked as the producer reads them (no check ahead of the loads):
+  // a bad one is recorded, read as block 0, and turns the CTA's rows into NaN at the end.
   const int kv_end = w.kv_end, kv_begin = w.kv_begin;
-  if (!prefill_blocks_ok(p, s, kv_begin, kv_end)) {
-    prefill_fill_nan<T>(p, w.row0, kh, r_lo, r_hi);
-    return;
-  }
   const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
   const int kt_first = kv_begin / C::kBN;
   const int n_tiles = (kv_end + C::kBN - 1) / C::kBN - kt_first;  // tiles i = 0 .. n_tiles - 1
-
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < C::kStages; ++i) {
-      mbar_init(full_bar(i), 128);   // every producer thread, once its copies landed
-      mbar_init(empty_bar(i), 256);  // every consumer thread, once done with the stage
-    }
-    mbar_init(q_bar, 128);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
 
   if (threadIdx.x < 128) {
     // ---- producer ----
@@ -288,9 +287,15 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     // per thread per tile, issued a tile ahead) instead of one read per copy.
     std::int32_t* ids_s = reinterpret_cast<std::int32_t*>(smem + C::kIdsOffset);  // [2][kBN]
     const int lg_b = __ffs(p.block_size) - 1;  // page sizes are powers of two
+    int bad = 0;  // this thread read a block id outside the pool
     auto token_id = [&](int i) {
       const int t = (kt_first + i) * C::kBN + ptid;
-      return t >= kv_begin && t < kv_end ? prefill_block_id(p, table, t >> lg_b) : 0;
+      if (t < kv_begin || t >= kv_end) return 0;
+      const int id = table[t >> lg_b];
+      if (id >= 0 && id < p.num_blocks) return id;
+      if (!bad) record_error(p.error, DecodeErrorFlag::kBlockId, s, t >> lg_b, id);
+      bad = 1;
+      return 0;
     };
     std::int32_t id_next = token_id(0);
     for (int i = 0; i < n_tiles; ++i) {
@@ -303,7 +308,11 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       unsigned char* ks = kv_base + st * C::kStageBytes;
       const bool stored = produce_kv_tile<C, T, D, L>(p, ids, kh, (kt_first + i) * C::kBN, kv_begin, kv_end, ks,
                                                       ks + C::kKBytes, ptid, lg_b);
-      if (stored) {
+      // A bad id seen: the flag is set before this thread's last arrival, a releasing one
+      // (the consumers read the flag once they have waited for the last tile).
+      const bool flag = bad && i + 1 == n_tiles;
+      if (flag) *bad_flag = 1;
+      if (stored || flag) {
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // every copy of this thread, committed or not
         fence_proxy_async();
         mbar_arrive(full_bar(st));
@@ -481,22 +490,41 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       fence_regs(o);
     }
 
+    // Epilogue: O / l in T goes to this warpgroup's 64 rows of the Q region (its products
+    // with Q are done), then out by 16-byte stores of whole rows.
+    const bool bad_ids = *bad_flag != 0;  // read after the last tile's full barrier
+    const int wtid = threadIdx.x % 128;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       float l = l_run[hr];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int r = r_lo + wrow + lane / 4 + hr * 8;
-      if (r >= rows) continue;
-      const int tok = w.row0 + r / G, h = kh * G + r % G;
-      T* orow = static_cast<T*>(p.out) + static_cast<std::int64_t>(tok) * p.o_stride_tok +
-                static_cast<std::int64_t>(h) * p.o_stride_head;
-      const float inv = p.v_scale / (l + prefill_sink(p, h, m_run[hr]));
+      const int rr = wrow + lane / 4 + hr * 8;
+      const float inv = bad_ids ? __int_as_float(0x7fc00000)
+                                : p.v_scale / (l + prefill_sink(p, kh * G + (r_lo + rr) % G, m_run[hr]));
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const int d = n * 8 + 2 * (lane % 4);
-        orow[d] = from_float<T>(o[n * 4 + 2 * hr] * inv);
-        orow[d + 1] = from_float<T>(o[n * 4 + 2 * hr + 1] * inv);
+        *reinterpret_cast<std::uint32_t*>(qs + swz(C::kBM, rr, n) + (lane % 4) * 4) =
+            pack2<T>(o[n * 4 + 2 * hr] * inv, o[n * 4 + 2 * hr + 1] * inv);
+      }
+    }
+    if (wg == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");  // this warpgroup alone
+    else asm volatile("bar.sync 3, 128;\n" ::: "memory");
+    T* og = static_cast<T*>(p.out);
+    const bool o_vec = (reinterpret_cast<std::uintptr_t>(og) & 15) == 0 && p.o_stride_tok % 8 == 0 &&
+                       p.o_stride_head % 8 == 0;
+    for (int u = wtid; u < 64 * (D / 8); u += 128) {
+      const int rr = wg * 64 + u / (D / 8), c = u % (D / 8), r = r_lo + rr;
+      if (r >= rows) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(qs + swz(C::kBM, rr, c));
+      T* dst = og + static_cast<std::int64_t>(w.row0 + r / G) * p.o_stride_tok +
+               static_cast<std::int64_t>(kh * G + r % G) * p.o_stride_head + c * 8;
+      if (o_vec) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dst[k] = e[k];
       }
     }
   }

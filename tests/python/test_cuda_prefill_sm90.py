@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -82,6 +83,50 @@ def test_pipeline_edges(rng, layout, dtype, head_size, group):
     assert odd.data_ptr() % 16 != 0
     out = pagedattn.paged_attention(odd, *caches, query_start_loc=to_torch(qsl))
     assert_close(to_numpy(out), ref, dtype, "unaligned query")
+    # an output without 16-byte alignment (the epilogue's element-by-element stores),
+    # between NaN guards that must stay untouched
+    oflat = torch.full((tq.numel() + 2,), float("nan"), dtype=tq.dtype, device=tq.device)
+    oview = oflat[1:-1].view(tq.shape)
+    pagedattn.paged_attention(tq, *caches, query_start_loc=to_torch(qsl), out=oview)
+    assert_close(to_numpy(oview), ref, dtype, "unaligned out")
+    assert torch.isnan(oflat[0]) and torch.isnan(oflat[-1])
+
+
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("kernel", [None, "mma"])
+def test_a_bad_block_id_spoils_only_the_rows_that_read_it(rng, layout, kernel):
+    """An unchecked call with a block id outside the pool in a long prompt: the rows whose
+    keys include that block are NaN, the earlier rows of the prompt and every row of the
+    other sequence are exact (the Hopper kernel checks ids as it loads them)."""
+    if kernel is not None and not HOPPER:
+        pytest.skip("the kernel choice by variable is for Hopper")
+    seq_lens, q_lens = [600, 300], [600, 100]
+    pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype="float16", layout=layout, num_heads=8, num_kv_heads=2,
+                           head_size=128, block_size=16)  # fmt: skip
+    ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl)
+    bt = pb.block_tables.copy()
+    bt[0, 30] = pb.key_cache.shape[0] + 7  # tokens 480 .. 495 of sequence 0
+    args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, bt, pb.seq_lens)]
+    if kernel is None:
+        out = to_numpy(pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl)))
+    else:
+        env = dict(os.environ, PAGEDATTN_PREFILL_KERNEL=kernel)
+        code = (
+            "import sys, numpy as np, torch, pagedattn\n"
+            "a = [torch.from_numpy(np.load(sys.argv[1] + f'/{i}.npy')).cuda() for i in range(6)]\n"
+            "o = pagedattn.paged_attention(*a[:5], query_start_loc=a[5])\n"
+            "np.save(sys.argv[1] + '/out.npy', o.float().cpu().numpy())\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            for i, a in enumerate((q, pb.key_cache, pb.value_cache, bt, pb.seq_lens, qsl)):
+                np.save(f"{d}/{i}.npy", a)
+            r = subprocess.run([sys.executable, "-c", code, d], env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr[-2000:]
+            out = np.load(f"{d}/out.npy")
+    # sequence 0: rows 0 .. 599 at positions 0 .. 599; 128 packed rows = 32 tokens per CTA
+    assert_close(out[:448], ref[:448], "float16", "rows before the bad block")
+    assert np.isnan(out[480:600]).all(), "rows that read the bad block"
+    assert_close(out[600:], ref[600:], "float16", "the other sequence")
 
 
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
