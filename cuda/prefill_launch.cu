@@ -25,6 +25,7 @@
 #define PAGEDATTN_PREFILL_FLAT 1
 #endif
 
+
 namespace pagedattn::cuda_backend {
 namespace {
 
@@ -34,6 +35,16 @@ bool sm90_prefill_off() {
   static const bool off = [] {
     const char* e = std::getenv("PAGEDATTN_PREFILL_KERNEL");
     return e != nullptr && std::string_view(e) == "mma";
+  }();
+  return off;
+}
+
+// PAGEDATTN_SM90_PERSISTENT=0 gives the Hopper kernel one CTA per work item instead of
+// its persistent grid (for A/B timing). Read once.
+bool sm90_persistent_off() {
+  static const bool off = [] {
+    const char* e = std::getenv("PAGEDATTN_SM90_PERSISTENT");
+    return e != nullptr && std::string_view(e) == "0";
   }();
   return off;
 }
@@ -119,6 +130,17 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   k.group = group;
   k.skip_single = skip_single;
   k.flat_tiles = flat;
+  // The Hopper kernel on the flat grid is persistent when the grid is long: one CTA per
+  // multiprocessor (its shared memory allows no more), each walking items of the tiles x
+  // KV heads grid, so that the start and the stores of one item overlap the loads of the
+  // next (PERF_NOTES.md). Its deal of items is fixed, so items with nothing to do would
+  // unbalance it where the hardware simply retires such blocks: up to two per sequence
+  // and KV head (a gap tile of the flat grid, a one-row sequence left to the decode
+  // kernels). It is used when the items left after those fill at least two rounds.
+  const std::int64_t items = tiles * p.num_kv_heads;
+  const std::int64_t sure_items = items - 2 * static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
+  k.persistent = sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * device_info(p.device_id).num_sms;
+  k.tiles = static_cast<int>(tiles);
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
   k.v_scale = fp8 ? p.v_scale : 1.0f;
@@ -134,8 +156,10 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
     k.error = record->get();
   }
   void* args[] = {&k};
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads),
-                  flat ? 1u : static_cast<unsigned>(p.num_seqs));
+  const dim3 grid = k.persistent
+                        ? dim3(static_cast<unsigned>(std::min<std::int64_t>(items, device_info(p.device_id).num_sms)))
+                        : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads),
+                               flat ? 1u : static_cast<unsigned>(p.num_seqs));
   check_cuda(cudaLaunchKernel(kernel.func, grid, dim3(kernel.threads), args, static_cast<std::size_t>(kernel.smem),
                               stream),
              "paged_attention: varlen kernel launch");

@@ -36,6 +36,10 @@ struct PrefillKernelParams {
   int group;          // G
   bool skip_single;   // leave sequences with one valid row to the decode kernels (mixed batches)
   bool flat_tiles;    // grid x enumerates every sequence's tiles (prefill_flat_task), z = 1
+  // Persistent kernels (flat grid only): the grid has fewer CTAs than work items, and each
+  // walks items of the virtual grid of `tiles` x num_kv_heads (prefill_persistent_item).
+  bool persistent;
+  int tiles;
 
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)
@@ -96,14 +100,14 @@ struct PrefillItem {
   int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
   int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
 };
-constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
+constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2, kItemEnd = 3;  // kItemEnd: no more work
 
 // The flat grid of the tensor-core kernel: CTA c (counted from the top, so the longest
 // tiles start first) works on tile c - first(s) of the sequence s with the largest
 // first(s) = floor(qsl[s] * G / rows_per_cta) + s <= c. Sequence s needs
 // ceil(q_s * G / rows_per_cta) tiles and first(s + 1) - first(s) is at least that, so
 // the ranges never overlap and ceil(T * G / rows_per_cta) + S CTAs cover every tile; CTAs
-// in the gaps find no tile (s = -1). Found by binary search over query_start_loc, so the
+// in the gaps find no tile. Found by a search over query_start_loc, so the
 // grid needs no device data on the host and no idle CTA per (sequence, tile bound). With
 // an invalid query_start_loc the search still ends, on some sequence, which the CTA then
 // checks like any other.
@@ -114,13 +118,15 @@ constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2;
 // sequence's query_start_loc pair and seq_lens entry in the same round, and the CTA's
 // work is computed from the values of that one read (a caller changing the arrays during
 // the call cannot make the search and the checks see different numbers).
-template <int kBM, bool kLongestFirst>
-__device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelParams& p) {
+//
+// c is the tile's index in a grid of top + 1 tiles (flat: the index above; otherwise the
+// tile of sequence blockIdx.z). Called by all lanes of one warp; lane 0's result is the
+// CTA's work.
+template <int kBM>
+__device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelParams& p, int c, int top) {
   PrefillItem it{};
   it.kind = kItemSkip;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int top = static_cast<int>(gridDim.x) - 1;
-  const int c = kLongestFirst ? top - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
   const int G = p.group;
   int lo = p.flat_tiles ? 0 : static_cast<int>(blockIdx.z);
   int hi = p.flat_tiles ? p.num_seqs - 1 : lo;
@@ -182,6 +188,26 @@ __device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelPara
   }
 }
 
+// Item k (0, 1, ...) of a CTA: its tile index c in the grid (counted from the top, so the
+// longest tiles come first) and KV head, or false when the CTA is done. One item per CTA
+// unless persistent. A persistent CTA b of P walks the virtual grid tile-major (all KV
+// heads of a tile before the next) in rounds of P items, dealt b-th from the front in
+// even rounds and from the back in odd ones: causal tiles shorten down the grid, so a
+// CTA that drew a longer item in one round draws a shorter one in the next.
+__device__ __forceinline__ bool prefill_persistent_item(const PrefillKernelParams& p, int k, int& c, int& kh) {
+  if (!p.persistent) {
+    c = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
+    kh = static_cast<int>(blockIdx.y);
+    return k == 0;
+  }
+  const std::int64_t P = gridDim.x, b = blockIdx.x;
+  const std::int64_t j = k * P + ((k & 1) ? P - 1 - b : b);
+  if (j >= static_cast<std::int64_t>(p.tiles) * p.num_kv_heads) return false;
+  c = p.tiles - 1 - static_cast<int>(j / p.num_kv_heads);
+  kh = static_cast<int>(j % p.num_kv_heads);
+  return true;
+}
+
 // The CTA's work as warp 0 alone reads it, shared through `slot` (shared memory): every
 // thread takes its control flow (tile counts, ranges, early exits) from the same numbers,
 // so all threads meet every barrier whatever a caller does to the index arrays while the
@@ -191,7 +217,10 @@ template <int kBM, bool kLongestFirst, class F>
 __device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot,
                                                            F&& before_sync) {
   if (threadIdx.x < 32) {
-    const PrefillItem it = prefill_item_warp<kBM, kLongestFirst>(p);
+    // kLongestFirst counts the tiles from the top of the grid: the longest start first
+    const int top = static_cast<int>(gridDim.x) - 1;
+    const int c = kLongestFirst ? top - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+    const PrefillItem it = prefill_item_warp<kBM>(p, c, top);
     if (threadIdx.x == 0) {
       *slot = it;
       before_sync();
@@ -243,11 +272,13 @@ __device__ __forceinline__ int prefill_block_id(const PrefillKernelParams& p, co
 
 // Writes NaN to the rows [r_lo, r_hi) of packed (token, group head) rows of KV head kh of
 // a sequence whose first query row is row0 (an invalid sequence's outputs).
+// (threads tid of n: the CTA's by default).
 template <class T>
-__device__ __forceinline__ void prefill_fill_nan(const PrefillKernelParams& p, int row0, int kh, int r_lo, int r_hi) {
+__device__ __forceinline__ void prefill_fill_nan(const PrefillKernelParams& p, int row0, int kh, int r_lo, int r_hi,
+                                                 int tid = threadIdx.x, int n = blockDim.x) {
   const int D = p.head_size;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
-  for (int i = threadIdx.x; i < (r_hi - r_lo) * D; i += blockDim.x) {
+  for (int i = tid; i < (r_hi - r_lo) * D; i += n) {
     const int r = r_lo + i / D, d = i % D;
     const int tok = row0 + r / p.group, h = kh * p.group + r % p.group;
     static_cast<T*>(p.out)[tok * p.o_stride_tok + h * p.o_stride_head + d] = nan;

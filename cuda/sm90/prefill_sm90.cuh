@@ -57,17 +57,19 @@ struct PrefillSm90Config {
   // registers within what the CTA got at launch, 384 x 168 (the cap of
   // __launch_bounds__(384, 1)): 128 x producer + 256 x consumer must stay within it, or
   // the consumers' increase waits forever.
-  static constexpr int kProducerRegs = D == 128 ? 64 : 72;
-  static constexpr int kConsumerRegs = D == 128 ? 216 : 208;
+  // The vllm producer (three copy paths) takes 16 more.
+  static constexpr int kProducerRegs = (D == 128 ? 64 : 72) + (L == CacheLayout::kVLLM ? 16 : 0);
+  static constexpr int kConsumerRegs = (D == 128 ? 216 : 208) - (L == CacheLayout::kVLLM ? 16 : 0);
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "more registers than the CTA holds");
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKBytes = kBN * D * 2;
   static constexpr int kVBytes = kBN * D * 2;
   static constexpr int kStageBytes = kKBytes + kVBytes;
+  // mbarriers: full[kStages], empty[kStages], q_full, q_empty, item_full[2], item_empty[2]
   static constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
-  static constexpr int kInfoOffset = kBarOffset + 8 * (2 * kStages + 1 + 1);  // 16-byte aligned
-  static constexpr int kFlagOffset = kInfoOffset + 48;  // after the PrefillItem: a bad block id was read
-  static constexpr int kIdsOffset = kInfoOffset + 64;
+  static constexpr int kSlotOffset = kBarOffset + 8 * (2 * kStages + 6);  // 16-byte aligned
+  static constexpr int kLookupOffset = kSlotOffset + 2 * 64;  // Sm90Slot[2], then PrefillItem[2]
+  static constexpr int kIdsOffset = kLookupOffset + 2 * 64;
   static constexpr int kSmemBytes = kIdsOffset + 2 * kBN * 4 + 1024;
 };
 
@@ -212,6 +214,14 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
   return stored;
 }
 
+// An item handed from the producer to the consumers (two slots, in turn).
+struct Sm90Slot {
+  PrefillItem item;
+  int kh;
+  int bad;  // set by the producer when it read a block id outside the pool for this item
+};
+static_assert(sizeof(Sm90Slot) <= 64, "a slot is 64 bytes of shared memory");
+
 template <class T, int D, CacheLayout L>
 __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_constant__ PrefillKernelParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -221,39 +231,38 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   unsigned char* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
   unsigned char* qs = smem;
   unsigned char* kv_base = smem + C::kQBytes;
-  const std::uint32_t bar = smem_addr(smem + C::kBarOffset);  // full[kStages], empty[kStages], q_full
+  const std::uint32_t bar = smem_addr(smem + C::kBarOffset);
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 8 * (C::kStages + s); };
-  const std::uint32_t q_bar = bar + 16 * C::kStages;
+  const std::uint32_t q_full = bar + 16 * C::kStages, q_empty = q_full + 8;
+  auto item_full = [&](int s) { return q_full + 16 + 8 * s; };
+  auto item_empty = [&](int s) { return q_full + 32 + 8 * s; };
+  Sm90Slot* slots = reinterpret_cast<Sm90Slot*>(smem + C::kSlotOffset);
+  const int G = p.group;
 
-  // The CTA's work, read by warp 0 alone and shared (the warpgroups agree on every
-  // barrier whatever a caller does to the index arrays during the call); thread 0 sets up
-  // the mbarriers before the one barrier that publishes both.
-  volatile int* bad_flag = reinterpret_cast<volatile int*>(smem + C::kFlagOffset);
-  const PrefillItem w =
-      prefill_shared_item<C::kBM, true>(p, reinterpret_cast<PrefillItem*>(smem + C::kInfoOffset), [&] {
-        for (int i = 0; i < C::kStages; ++i) {
-          mbar_init(full_bar(i), 128);   // every producer thread, once its copies landed
-          mbar_init(empty_bar(i), 256);  // every consumer thread, once done with the stage
-        }
-        mbar_init(q_bar, 128);
-        *bad_flag = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-      });
-  if (w.kind == kItemSkip) return;
-  const int kh = blockIdx.y, s = w.seq, G = p.group;
-  const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi, ctx = w.ctx;
-  if (w.kind == kItemNaN) {
-    prefill_fill_nan<T>(p, w.row0, kh, r_lo, w.r_end);
-    return;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < C::kStages; ++i) {
+      mbar_init(full_bar(i), 128);   // every producer thread, once its copies landed
+      mbar_init(empty_bar(i), 256);  // every consumer thread, once done with the stage
+    }
+    mbar_init(q_full, 128);
+    mbar_init(q_empty, 256);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(item_full(i), 1);     // the producer's thread 0, once the slot is written
+      mbar_init(item_empty(i), 256);  // every consumer thread, once done with the item
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  // The block ids are checked as the producer reads them (no check ahead of the loads):
-  // a bad one is recorded, read as block 0, and turns the CTA's rows into NaN at the end.
-  const int kv_end = w.kv_end, kv_begin = w.kv_begin;
-  const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
-  const int kt_first = kv_begin / C::kBN;
-  const int n_tiles = (kv_end + C::kBN - 1) / C::kBN - kt_first;  // tiles i = 0 .. n_tiles - 1
+  __syncthreads();
 
+  // The CTA walks its items (prefill_persistent_item: one, or with a persistent grid
+  // several): the producer finds each item's work (one warp reads it from the index
+  // arrays, prefill_item_warp; every thread takes its control flow from that one read,
+  // so the warpgroups agree on every barrier whatever a caller does to the arrays during
+  // the call), fills an invalid sequence's rows with NaN itself, and hands the others to
+  // the consumers through the item slots while it loads their Q and key / value tiles.
+  // The stages' and Q's barriers run on across items, so the loads of the next item
+  // overlap the last products and the stores of the current one.
   if (threadIdx.x < 128) {
     // ---- producer ----
     setmaxnreg_dec<C::kProducerRegs>();
@@ -261,63 +270,108 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     const T* qg = static_cast<const T*>(p.query);
     const bool q_vec = (reinterpret_cast<std::uintptr_t>(qg) & 15) == 0 && p.q_stride_tok % 8 == 0 &&
                        p.q_stride_head % 8 == 0;
-    if (q_vec) {
-      for (int u = ptid; u < C::kBM * (D / 8); u += 128) {
-        const int rr = u / (D / 8), c = u % (D / 8), r = r_lo + rr;
-        const T* src = qg;
-        if (r < rows) src = qg + static_cast<std::int64_t>(w.row0 + r / G) * p.q_stride_tok +
-                            static_cast<std::int64_t>(kh * G + r % G) * p.q_stride_head + c * 8;
-        cp_async16(qs + swz(C::kBM, rr, c), src, r < rows ? 16 : 0);
-      }
-      mbar_arrive_cp_async(q_bar);
-    } else {
-      for (int i = ptid; i < C::kBM * D; i += 128) {
-        const int rr = i / D, d = i % D, r = r_lo + rr;
-        T v = from_float<T>(0.0f);
-        if (r < rows) {
-          const int tok = w.row0 + r / G, h = kh * G + r % G;
-          v = qg[static_cast<std::int64_t>(tok) * p.q_stride_tok + static_cast<std::int64_t>(h) * p.q_stride_head + d];
-        }
-        *reinterpret_cast<T*>(qs + swz(C::kBM, rr, d / 8) + (d % 8) * 2) = v;
-      }
-      fence_proxy_async();
-      mbar_arrive(q_bar);
-    }
     // The block id of each token of a tile goes through shared memory (one table read
     // per thread per tile, issued a tile ahead) instead of one read per copy.
     std::int32_t* ids_s = reinterpret_cast<std::int32_t*>(smem + C::kIdsOffset);  // [2][kBN]
+    PrefillItem* lookup = reinterpret_cast<PrefillItem*>(smem + C::kLookupOffset);  // [2]
     const int lg_b = __ffs(p.block_size) - 1;  // page sizes are powers of two
-    int bad = 0;  // this thread read a block id outside the pool
-    auto token_id = [&](int i) {
-      const int t = (kt_first + i) * C::kBN + ptid;
-      if (t < kv_begin || t >= kv_end) return 0;
-      const int id = table[t >> lg_b];
-      if (id >= 0 && id < p.num_blocks) return id;
-      if (!bad) record_error(p.error, DecodeErrorFlag::kBlockId, s, t >> lg_b, id);
-      bad = 1;
-      return 0;
-    };
-    std::int32_t id_next = token_id(0);
-    for (int i = 0; i < n_tiles; ++i) {
-      const int st = i % C::kStages;
-      if (i >= C::kStages) mbar_wait(empty_bar(st), (i / C::kStages - 1) & 1);
-      std::int32_t* ids = ids_s + (i & 1) * C::kBN;
-      ids[ptid] = id_next;
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone
-      if (i + 1 < n_tiles) id_next = token_id(i + 1);
-      unsigned char* ks = kv_base + st * C::kStageBytes;
-      const bool stored = produce_kv_tile<C, T, D, L>(p, ids, kh, (kt_first + i) * C::kBN, kv_begin, kv_end, ks,
-                                                      ks + C::kKBytes, ptid, lg_b);
-      // A bad id seen: the flag is set before this thread's last arrival, a releasing one
-      // (the consumers read the flag once they have waited for the last tile).
-      const bool flag = bad && i + 1 == n_tiles;
-      if (flag) *bad_flag = 1;
-      if (stored || flag) {
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // every copy of this thread, committed or not
-        fence_proxy_async();
-        mbar_arrive(full_bar(st));
+    int g = 0;  // key tiles produced, over all items
+    int n = 0;  // items handed to the consumers
+    for (int k = 0;; ++k) {
+      int c, kh;
+      PrefillItem w;
+      if (prefill_persistent_item(p, k, c, kh)) {
+        if (ptid < 32) {
+          const PrefillItem it = prefill_item_warp<C::kBM>(p, c, p.persistent ? p.tiles - 1 : gridDim.x - 1);
+          if (ptid == 0) lookup[k & 1] = it;
+        }
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone
+        w = lookup[k & 1];
       } else {
-        mbar_arrive_cp_async(full_bar(st));
+        w.kind = kItemEnd;
+      }
+      if (w.kind == kItemSkip) continue;
+      if (w.kind == kItemNaN) {
+        prefill_fill_nan<T>(p, w.row0, kh, w.r_lo, w.r_end, ptid, 128);
+        continue;
+      }
+      // Hand the item over (or the end): its slot is free once the consumers are done
+      // with the item two before.
+      const int slot = n & 1;
+      if (n >= 2) mbar_wait(item_empty(slot), ((n - 2) >> 1) & 1);
+      if (ptid == 0) {
+        slots[slot].item = w;
+        slots[slot].kh = kh;
+        slots[slot].bad = 0;
+        mbar_arrive(item_full(slot));
+      }
+      if (w.kind == kItemEnd) break;
+      const int s = w.seq, rows = w.rows, r_lo = w.r_lo;
+      const int kv_end = w.kv_end, kv_begin = w.kv_begin;
+      const std::int32_t* table = p.block_tables + static_cast<std::int64_t>(s) * p.max_blocks_per_seq;
+      const int kt_first = kv_begin / C::kBN;
+      const int n_tiles = (kv_end + C::kBN - 1) / C::kBN - kt_first;
+
+      // Q, once the consumers' products with the previous item's Q are done.
+      if (n >= 1) mbar_wait(q_empty, (n - 1) & 1);
+      ++n;
+      if (q_vec) {
+        for (int u = ptid; u < C::kBM * (D / 8); u += 128) {
+          const int rr = u / (D / 8), ch = u % (D / 8), r = r_lo + rr;
+          const T* src = qg;
+          if (r < rows) src = qg + static_cast<std::int64_t>(w.row0 + r / G) * p.q_stride_tok +
+                              static_cast<std::int64_t>(kh * G + r % G) * p.q_stride_head + ch * 8;
+          cp_async16(qs + swz(C::kBM, rr, ch), src, r < rows ? 16 : 0);
+        }
+        mbar_arrive_cp_async(q_full);
+      } else {
+        for (int i = ptid; i < C::kBM * D; i += 128) {
+          const int rr = i / D, d = i % D, r = r_lo + rr;
+          T v = from_float<T>(0.0f);
+          if (r < rows) {
+            const int tok = w.row0 + r / G, h = kh * G + r % G;
+            v = qg[static_cast<std::int64_t>(tok) * p.q_stride_tok + static_cast<std::int64_t>(h) * p.q_stride_head +
+                   d];
+          }
+          *reinterpret_cast<T*>(qs + swz(C::kBM, rr, d / 8) + (d % 8) * 2) = v;
+        }
+        fence_proxy_async();
+        mbar_arrive(q_full);
+      }
+      // The block ids are checked as they are read (no check ahead of the loads): a bad
+      // one is recorded, read as block 0, and turns the item's rows into NaN at the end.
+      int bad = 0;
+      auto token_id = [&](int i) {
+        const int t = (kt_first + i) * C::kBN + ptid;
+        if (t < kv_begin || t >= kv_end) return 0;
+        const int id = table[t >> lg_b];
+        if (id >= 0 && id < p.num_blocks) return id;
+        if (!bad) record_error(p.error, DecodeErrorFlag::kBlockId, s, t >> lg_b, id);
+        bad = 1;
+        return 0;
+      };
+      std::int32_t id_next = token_id(0);
+      for (int i = 0; i < n_tiles; ++i, ++g) {
+        const int st = g % C::kStages;
+        if (g >= C::kStages) mbar_wait(empty_bar(st), (g / C::kStages - 1) & 1);
+        std::int32_t* ids = ids_s + (g & 1) * C::kBN;
+        ids[ptid] = id_next;
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone
+        if (i + 1 < n_tiles) id_next = token_id(i + 1);
+        unsigned char* ks = kv_base + st * C::kStageBytes;
+        const bool stored = produce_kv_tile<C, T, D, L>(p, ids, kh, (kt_first + i) * C::kBN, kv_begin, kv_end, ks,
+                                                        ks + C::kKBytes, ptid, lg_b);
+        // A bad id seen: the flag is set before this thread's last arrival for the item, a
+        // releasing one (the consumers read the flag once they have waited for that tile).
+        const bool flag = bad && i + 1 == n_tiles;
+        if (flag) reinterpret_cast<volatile int*>(&slots[slot].bad)[0] = 1;
+        if (stored || flag) {
+          asm volatile("cp.async.wait_all;\n" ::: "memory");  // every copy of this thread, committed or not
+          fence_proxy_async();
+          mbar_arrive(full_bar(st));
+        } else {
+          mbar_arrive_cp_async(full_bar(st));
+        }
       }
     }
   } else {
@@ -327,33 +381,17 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     const int wrow = wg * 64 + warp * 16;
-    int pos[2];
-    float slope[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r_lo + wrow + lane / 4 + hr * 8;
-      pos[hr] = r < rows ? ctx + r / G : -1;
-      slope[hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
-    }
-    const int min_pos = ctx + r_lo / G;
-    const unsigned wlim = p.sliding_window > 0 ? static_cast<unsigned>(p.sliding_window) : 0x80000000u;
-    const int max_first = prefill_window_first(p, ctx + (r_hi - 1) / G);
     const std::uint32_t q_addr = smem_addr(qs) + wg * 64 * 128;
     const std::uint32_t kv_addr = smem_addr(kv_base);
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-    float sc[C::kBN / 2];
-    std::uint32_t pa[C::kBN / 16][4];
-
     // Descriptors: one base per operand, the k-steps and stages as constant offsets of
     // the start-address field (addresses >> 4; shared memory stays far below its 14 bits).
     const std::uint64_t q_desc = smem_desc(q_addr, 16, 1024);
     const std::uint64_t k_desc = smem_desc(kv_addr, 16, 1024);
     const std::uint64_t v_desc = L == CacheLayout::kVLLM ? smem_desc(kv_addr + C::kKBytes, 16, 1024)
                                                          : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
+    float o[D / 2];
+    float sc[C::kBN / 2];
+    std::uint32_t pa[C::kBN / 16][4];
     auto issue_s = [&](int st) {
       const std::uint64_t kd = k_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
 #pragma unroll
@@ -374,157 +412,181 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         }
       }
     };
-    // Plain scores (no soft cap, no ALiBi, a positive scale): the maximum is taken on the
-    // raw products and the scale folds into the exponent's FMA.
-    const bool plain = p.soft_cap_log2 <= 0.f && p.alibi_slopes == nullptr && p.qk_scale_log2 > 0.f;
-    // Softmax of the S of tile i (in sc): masks, running max and sum; returns the factor
-    // for O and leaves the weights in sc. Each option is a uniform branch around a loop
-    // of its own, so the plain tile runs none of their instructions.
-    auto softmax = [&](int i, float (&corr)[2]) {
-      const int t0 = (kt_first + i) * C::kBN;
-      if (!plain) {
-#pragma unroll
-        for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
-        if (p.soft_cap_log2 > 0.f) {
-#pragma unroll
-          for (int k = 0; k < C::kBN / 2; ++k) sc[k] = p.soft_cap_log2 * tanhf(sc[k] * p.inv_soft_cap_log2);
-        }
-        if (p.alibi_slopes != nullptr) {
-#pragma unroll
-          for (int k = 0; k < C::kBN / 2; ++k) {
-            const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
-            sc[k] += slope[hr] * static_cast<float>(t - pos[hr]);
-          }
-        }
-      }
-      if (t0 + C::kBN - 1 > min_pos || t0 < max_first) {  // the diagonal, or a window's edge
-#pragma unroll
-        for (int k = 0; k < C::kBN / 2; ++k) {
-          const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
-          if (static_cast<unsigned>(pos[hr] - t) >= wlim) sc[k] = -INFINITY;
-        }
-      }
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int k = 0; k < C::kBN / 2; ++k) mx[(k % 4) / 2] = fmaxf(mx[(k % 4) / 2], sc[k]);
-      const float unit = plain ? p.qk_scale_log2 : 1.0f;  // base-2 logits per unit of sc
-      float m_use[2];
+    const unsigned wlim = p.sliding_window > 0 ? static_cast<unsigned>(p.sliding_window) : 0x80000000u;
+    int g = 0;  // key tiles consumed, over all items
+    for (int n = 0;; ++n) {
+      const int slot = n & 1;
+      mbar_wait(item_full(slot), (n >> 1) & 1);
+      const PrefillItem w = slots[slot].item;
+      if (w.kind == kItemEnd) break;
+      const int kh = slots[slot].kh;
+      const int rows = w.rows, r_lo = w.r_lo, r_hi = w.r_hi, ctx = w.ctx;
+      const int kv_end = w.kv_end, kv_begin = w.kv_begin;
+      const int kt_first = kv_begin / C::kBN;
+      const int n_tiles = (kv_end + C::kBN - 1) / C::kBN - kt_first;
+      int pos[2];
+      float slope[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-        const float m_new = fmaxf(m_run[hr], mx[hr] * unit);
-        m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
-        corr[hr] = fast_exp2(m_run[hr] - m_use[hr]);
-        m_run[hr] = m_new;
-        l_run[hr] *= corr[hr];
+        const int r = r_lo + wrow + lane / 4 + hr * 8;
+        pos[hr] = r < rows ? ctx + r / G : -1;
+        slope[hr] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[kh * G + r % G] * kLog2e : 0.0f;
       }
+      const int min_pos = ctx + r_lo / G;
+      const int max_first = prefill_window_first(p, ctx + (r_hi - 1) / G);
 #pragma unroll
-      for (int k = 0; k < C::kBN / 2; ++k) {
-        const float w = fast_exp2(fmaf(sc[k], unit, -m_use[(k % 4) / 2]));
-        sc[k] = w;
-        l_run[(k % 4) / 2] += w;
-      }
-    };
-    auto to_p = [&]() {
-#pragma unroll
-      for (int j = 0; j < C::kBN / 16; ++j) {
-        pa[j][0] = pack2<T>(sc[8 * j + 0], sc[8 * j + 1]);
-        pa[j][1] = pack2<T>(sc[8 * j + 2], sc[8 * j + 3]);
-        pa[j][2] = pack2<T>(sc[8 * j + 4], sc[8 * j + 5]);
-        pa[j][3] = pack2<T>(sc[8 * j + 6], sc[8 * j + 7]);
-      }
-    };
-    auto rescale_o = [&](const float (&corr)[2]) {
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n * 4 + 0] *= corr[0];
-        o[n * 4 + 1] *= corr[0];
-        o[n * 4 + 2] *= corr[1];
-        o[n * 4 + 3] *= corr[1];
-      }
-    };
+      for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+      float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
-    mbar_wait(q_bar, 0);
-    fence_proxy_async();
-    // tile 0
-    mbar_wait(full_bar(0), 0);
-    fence_proxy_async();
-    wgmma_fence();
-    issue_s(0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(sc);
-    {
-      float corr[2];
-      softmax(0, corr);  // O is zero: no rescale
-    }
-    to_p();
-    for (int i = 1; i < n_tiles; ++i) {
-      const int st = i % C::kStages, prev = (i - 1) % C::kStages;
-      mbar_wait(full_bar(st), (i / C::kStages) & 1);
+      // Plain scores (no soft cap, no ALiBi, a positive scale): the maximum is taken on the
+      // raw products and the scale folds into the exponent's FMA.
+      const bool plain = p.soft_cap_log2 <= 0.f && p.alibi_slopes == nullptr && p.qk_scale_log2 > 0.f;
+      // Softmax of the S of tile i (in sc): masks, running max and sum; returns the factor
+      // for O and leaves the weights in sc. Each option is a uniform branch around a loop
+      // of its own, so the plain tile runs none of their instructions.
+      auto softmax = [&](int i, float (&corr)[2]) {
+        const int t0 = (kt_first + i) * C::kBN;
+        if (!plain) {
+  #pragma unroll
+          for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
+          if (p.soft_cap_log2 > 0.f) {
+  #pragma unroll
+            for (int k = 0; k < C::kBN / 2; ++k) sc[k] = p.soft_cap_log2 * tanhf(sc[k] * p.inv_soft_cap_log2);
+          }
+          if (p.alibi_slopes != nullptr) {
+  #pragma unroll
+            for (int k = 0; k < C::kBN / 2; ++k) {
+              const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
+              sc[k] += slope[hr] * static_cast<float>(t - pos[hr]);
+            }
+          }
+        }
+        if (t0 + C::kBN - 1 > min_pos || t0 < max_first) {  // the diagonal, or a window's edge
+  #pragma unroll
+          for (int k = 0; k < C::kBN / 2; ++k) {
+            const int hr = (k % 4) / 2, t = t0 + (k / 4) * 8 + 2 * (lane % 4) + (k & 1);
+            if (static_cast<unsigned>(pos[hr] - t) >= wlim) sc[k] = -INFINITY;
+          }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+  #pragma unroll
+        for (int k = 0; k < C::kBN / 2; ++k) mx[(k % 4) / 2] = fmaxf(mx[(k % 4) / 2], sc[k]);
+        const float unit = plain ? p.qk_scale_log2 : 1.0f;  // base-2 logits per unit of sc
+        float m_use[2];
+  #pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+          mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+          const float m_new = fmaxf(m_run[hr], mx[hr] * unit);
+          m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
+          corr[hr] = fast_exp2(m_run[hr] - m_use[hr]);
+          m_run[hr] = m_new;
+          l_run[hr] *= corr[hr];
+        }
+  #pragma unroll
+        for (int k = 0; k < C::kBN / 2; ++k) {
+          const float w = fast_exp2(fmaf(sc[k], unit, -m_use[(k % 4) / 2]));
+          sc[k] = w;
+          l_run[(k % 4) / 2] += w;
+        }
+      };
+      auto to_p = [&]() {
+  #pragma unroll
+        for (int j = 0; j < C::kBN / 16; ++j) {
+          pa[j][0] = pack2<T>(sc[8 * j + 0], sc[8 * j + 1]);
+          pa[j][1] = pack2<T>(sc[8 * j + 2], sc[8 * j + 3]);
+          pa[j][2] = pack2<T>(sc[8 * j + 4], sc[8 * j + 5]);
+          pa[j][3] = pack2<T>(sc[8 * j + 6], sc[8 * j + 7]);
+        }
+      };
+      auto rescale_o = [&](const float (&corr)[2]) {
+  #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[n * 4 + 0] *= corr[0];
+          o[n * 4 + 1] *= corr[0];
+          o[n * 4 + 2] *= corr[1];
+          o[n * 4 + 3] *= corr[1];
+        }
+      };
+
+      mbar_wait(q_full, n & 1);
       fence_proxy_async();
-      fence_regs(o);
+      // tile 0 (global tile g)
+      mbar_wait(full_bar(g % C::kStages), (g / C::kStages) & 1);
+      fence_proxy_async();
       wgmma_fence();
-      issue_s(st);
-      wgmma_commit();
-      issue_pv(prev);
-      wgmma_commit();
-      wgmma_wait<1>();  // S of tile i
-      fence_regs(sc);
-      float corr[2];
-      softmax(i, corr);
-      wgmma_wait<0>();  // P V of tile i - 1
-      fence_regs(o);
-      mbar_arrive(empty_bar(prev));
-      rescale_o(corr);
-      to_p();
-    }
-    {
-      const int last = (n_tiles - 1) % C::kStages;
-      fence_regs(o);
-      wgmma_fence();
-      issue_pv(last);
+      issue_s(g % C::kStages);
       wgmma_commit();
       wgmma_wait<0>();
-      fence_regs(o);
-    }
-
-    // Epilogue: O / l in T goes to this warpgroup's 64 rows of the Q region (its products
-    // with Q are done), then out by 16-byte stores of whole rows.
-    const bool bad_ids = *bad_flag != 0;  // read after the last tile's full barrier
-    const int wtid = threadIdx.x % 128;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float l = l_run[hr];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int rr = wrow + lane / 4 + hr * 8;
-      const float inv = bad_ids ? __int_as_float(0x7fc00000)
-                                : p.v_scale / (l + prefill_sink(p, kh * G + (r_lo + rr) % G, m_run[hr]));
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<std::uint32_t*>(qs + swz(C::kBM, rr, n) + (lane % 4) * 4) =
-            pack2<T>(o[n * 4 + 2 * hr] * inv, o[n * 4 + 2 * hr + 1] * inv);
+      fence_regs(sc);
+      if (n_tiles == 1) mbar_arrive(q_empty);  // the item's last product with Q is done
+      {
+        float corr[2];
+        softmax(0, corr);  // O is zero: no rescale
       }
-    }
-    if (wg == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");  // this warpgroup alone
-    else asm volatile("bar.sync 3, 128;\n" ::: "memory");
-    T* og = static_cast<T*>(p.out);
-    const bool o_vec = (reinterpret_cast<std::uintptr_t>(og) & 15) == 0 && p.o_stride_tok % 8 == 0 &&
-                       p.o_stride_head % 8 == 0;
-    for (int u = wtid; u < 64 * (D / 8); u += 128) {
-      const int rr = wg * 64 + u / (D / 8), c = u % (D / 8), r = r_lo + rr;
-      if (r >= rows) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(qs + swz(C::kBM, rr, c));
-      T* dst = og + static_cast<std::int64_t>(w.row0 + r / G) * p.o_stride_tok +
-               static_cast<std::int64_t>(kh * G + r % G) * p.o_stride_head + c * 8;
-      if (o_vec) {
-        *reinterpret_cast<uint4*>(dst) = v;
-      } else {
-        const T* e = reinterpret_cast<const T*>(&v);
+      to_p();
+      for (int i = 1; i < n_tiles; ++i) {
+        const int gi = g + i, st = gi % C::kStages, prev = (gi - 1) % C::kStages;
+        mbar_wait(full_bar(st), (gi / C::kStages) & 1);
+        fence_proxy_async();
+        fence_regs(o);
+        wgmma_fence();
+        issue_s(st);
+        wgmma_commit();
+        issue_pv(prev);
+        wgmma_commit();
+        wgmma_wait<1>();  // S of tile i
+        fence_regs(sc);
+        if (i + 1 == n_tiles) mbar_arrive(q_empty);  // the producer may load the next item's Q
+        float corr[2];
+        softmax(i, corr);
+        wgmma_wait<0>();  // P V of tile i - 1
+        fence_regs(o);
+        mbar_arrive(empty_bar(prev));
+        rescale_o(corr);
+        to_p();
+      }
+      {
+        const int last = (g + n_tiles - 1) % C::kStages;
+        fence_regs(o);
+        wgmma_fence();
+        issue_pv(last);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(empty_bar(last));
+      }
+      g += n_tiles;
+
+      // Epilogue: O / l straight from registers (two elements per store), NaN when the
+      // producer read a bad block id for the item; then the slot goes back.
+      const bool bad_ids = reinterpret_cast<volatile int*>(&slots[slot].bad)[0] != 0;
+      mbar_arrive(item_empty(slot));
+      T* og = static_cast<T*>(p.out);
+      const bool o_pair = (reinterpret_cast<std::uintptr_t>(og) & 3) == 0 && p.o_stride_tok % 2 == 0 &&
+                          p.o_stride_head % 2 == 0;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) dst[k] = e[k];
+      for (int hr = 0; hr < 2; ++hr) {
+        float l = l_run[hr];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int r = r_lo + wrow + lane / 4 + hr * 8;
+        if (r >= rows) continue;
+        const int h = kh * G + r % G;
+        T* orow = og + static_cast<std::int64_t>(w.row0 + r / G) * p.o_stride_tok +
+                  static_cast<std::int64_t>(h) * p.o_stride_head;
+        const float inv = bad_ids ? __int_as_float(0x7fc00000) : p.v_scale / (l + prefill_sink(p, h, m_run[hr]));
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+          const int d = nn * 8 + 2 * (lane % 4);
+          const float a = o[nn * 4 + 2 * hr] * inv, b = o[nn * 4 + 2 * hr + 1] * inv;
+          if (o_pair) {
+            *reinterpret_cast<std::uint32_t*>(orow + d) = pack2<T>(a, b);
+          } else {
+            orow[d] = from_float<T>(a);
+            orow[d + 1] = from_float<T>(b);
+          }
+        }
       }
     }
   }

@@ -159,6 +159,23 @@ def test_windows_start_inside_a_page(rng, layout, block_size):
         assert_close(to_numpy(out), ref, dtype, f"window {window}")
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
+def test_the_hopper_kernel_with_one_block_per_item():
+    """PAGEDATTN_SM90_PERSISTENT=0: the Hopper kernel on a grid of one block per work item
+    (as checked calls run it) instead of its persistent grid; the same tests pass."""
+    if family() != "sm90_wgmma":
+        pytest.skip("this build has no Hopper kernels")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PAGEDATTN_SM90_PERSISTENT="0")
+    tests = [os.path.join(here, "test_cuda_prefill.py") + "::" + t for t in ("test_mixed_batch", "test_head_sizes")]
+    tests += [os.path.join(here, "test_cuda_prefill_sm90.py") + "::" + t
+              for t in ("test_pipeline_edges", "test_windows_start_inside_a_page")]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=here)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1]
+
+
 @pytest.mark.skipif(not HOPPER, reason="the sm_80 kernel is the default off Hopper")
 def test_the_sm80_kernel_on_hopper():
     """PAGEDATTN_PREFILL_KERNEL=mma: decode_plan reports the sm_80 kernel, and the varlen

@@ -88,6 +88,7 @@ CASES = [
     # (dtype, layout, PAGEDATTN_PREFILL_KERNEL, the family expected)
     ("bfloat16", "nhd", None, "sm90_wgmma" if HOPPER else "sm80_mma"),
     ("float16", "vllm", None, "sm90_wgmma" if HOPPER else "sm80_mma"),
+    ("bfloat16", "nhd", "blocks", "sm90_wgmma" if HOPPER else "sm80_mma"),  # one block per work item
     ("bfloat16", "nhd", "mma", "sm80_mma"),
     ("float16", "vllm", "mma", "sm80_mma"),
     ("float32", "nhd", None, "cuda_core"),
@@ -98,7 +99,10 @@ CASES = [
 def test_index_arrays_changed_during_the_call(dtype, layout, kernel, expected):
     env = dict(os.environ)
     env.pop("PAGEDATTN_PREFILL_KERNEL", None)
-    if kernel is not None:
+    env.pop("PAGEDATTN_SM90_PERSISTENT", None)
+    if kernel == "blocks":
+        env["PAGEDATTN_SM90_PERSISTENT"] = "0"
+    elif kernel is not None:
         env["PAGEDATTN_PREFILL_KERNEL"] = kernel
     try:
         r = subprocess.run([sys.executable, "-c", SCRIPT, dtype, layout, "12"], env=env, capture_output=True,
