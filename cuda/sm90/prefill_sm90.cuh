@@ -153,18 +153,27 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const int tt = ptid, t = t0 + tt;
       const T* src = kc + static_cast<std::int64_t>(ids[tt]) * p.k_block_stride +
                      ((static_cast<std::int64_t>(kh * kChunks) << lg_b) + (t & (B - 1))) * 8;
-      const std::int64_t row = static_cast<std::int64_t>(8) << lg_b;  // elements between a token's pieces
-#pragma unroll 4
-      for (int c = 0; c < kChunks; ++c) cp_async16(ks + swz(C::kBN, tt, c), src + c * row, 16);
+      // (a pointer stepped by a 32-bit stride: an index times a 64-bit stride costs a wide
+      // multiply per copy, which the producer's issue slots, shared with the consumers,
+      // cannot afford)
+      const int row = 8 << lg_b;  // elements between a token's pieces
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        cp_async16(ks + swz(C::kBN, tt, c), src, 16);
+        src += row;
+      }
     }
     // Values [D][B]: thread = (8-token group, dim lane), dims dl, dl + 8, ...
     {
       const int tg = ptid & 15, dl = ptid >> 4, t = t0 + tg * 8;
       const T* src = vc + static_cast<std::int64_t>(ids[tg * 8]) * p.v_block_stride +
                      (static_cast<std::int64_t>(kh * D + dl) << lg_b) + (t & (B - 1));
-      const std::int64_t rows8 = static_cast<std::int64_t>(8) << lg_b;  // elements between dims dl + 8 k
-#pragma unroll 4
-      for (int k = 0; k < D / 8; ++k) cp_async16(vs + swz(D, dl + 8 * k, tg), src + k * rows8, 16);
+      const int rows8 = 8 << lg_b;  // elements between dims dl + 8 k
+#pragma unroll
+      for (int k = 0; k < D / 8; ++k) {
+        cp_async16(vs + swz(D, dl + 8 * k, tg), src, 16);
+        src += rows8;
+      }
     }
   } else {
     // vllm, a tile with dead or window-excluded tokens: segments of bt tokens inside one
