@@ -15,6 +15,12 @@
 //       O (64 x D, float32, registers) += P (registers, 16-bit) V (shared)   wgmma m64nDk16
 //     and the product S of tile i is issued together with P V of tile i - 1, so that the
 //     softmax of tile i overlaps the latter on the tensor cores.
+// On a long flat grid the kernel is persistent (PrefillKernelParams::persistent): one CTA
+// per multiprocessor walks work items (prefill_persistent_item); the producer finds each
+// item's work (prefill_item_warp), fills an invalid sequence's rows with NaN itself, and
+// hands the rest to the consumers through two slots guarded by mbarriers, while the stage
+// ring and Q's barriers run on across items, so the next item's loads overlap the current
+// item's last products and stores. Otherwise each CTA takes the one item of its grid cell.
 // The tiles land in the tensor cores' 128-byte-swizzled layout, so no fragment passes
 // through registers on its way to an MMA. V is read as MN-major (transposed) for the
 // token-major layouts and as K-major for the vllm layout, whose value blocks are [D][B]:
@@ -25,7 +31,8 @@
 //   Q  [D / 64][kBM rows][64 elements]
 //   K  [D / 64][kBN tokens][64 elements]                 x kStages
 //   V  nhd: as K;  vllm: [kBN / 64][D dims][64 tokens]  x kStages
-//   the mbarriers, and the block ids of the tile being loaded
+//   the mbarriers, the two item slots, the producer's item lookups, and the block ids of
+//   the tiles being loaded
 #pragma once
 
 #include "cuda/prefill_params.cuh"
