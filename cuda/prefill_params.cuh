@@ -211,27 +211,19 @@ __device__ __forceinline__ bool prefill_persistent_item(const PrefillKernelParam
 // The CTA's work as warp 0 alone reads it, shared through `slot` (shared memory): every
 // thread takes its control flow (tile counts, ranges, early exits) from the same numbers,
 // so all threads meet every barrier whatever a caller does to the index arrays while the
-// kernel runs. `before_sync` runs on thread 0 ahead of the barrier (setup that every
-// thread needs, e.g. mbarrier initialisation).
-template <int kBM, bool kLongestFirst, class F>
-__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot,
-                                                           F&& before_sync) {
+// kernel runs. (The sm_80 and CUDA-core kernels; the Hopper kernel reads its items in its
+// producer.)
+template <int kBM, bool kLongestFirst>
+__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot) {
   if (threadIdx.x < 32) {
     // kLongestFirst counts the tiles from the top of the grid: the longest start first
     const int top = static_cast<int>(gridDim.x) - 1;
     const int c = kLongestFirst ? top - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
     const PrefillItem it = prefill_item_warp<kBM>(p, c, top);
-    if (threadIdx.x == 0) {
-      *slot = it;
-      before_sync();
-    }
+    if (threadIdx.x == 0) *slot = it;
   }
   __syncthreads();
   return *slot;
-}
-template <int kBM, bool kLongestFirst>
-__device__ __forceinline__ PrefillItem prefill_shared_item(const PrefillKernelParams& p, PrefillItem* slot) {
-  return prefill_shared_item<kBM, kLongestFirst>(p, slot, [] {});
 }
 
 // A base-2 logit through the soft cap (when on: a uniform branch).
