@@ -25,7 +25,6 @@
 #define PAGEDATTN_PREFILL_FLAT 1
 #endif
 
-
 namespace pagedattn::cuda_backend {
 namespace {
 
@@ -81,7 +80,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   const std::int64_t bound = std::max<std::int64_t>(
       1, p.max_query_len >= 0 ? std::min<std::int64_t>(p.max_query_len, p.num_tokens) : p.num_tokens);
   // The tensor-core kernel enumerates the tiles of all sequences in one flat grid
-  // (prefill_flat_task): ceil(T * G / rows) + S CTAs, however the rows are split. The
+  // (prefill_item_warp): ceil(T * G / rows) + S CTAs, however the rows are split. The
   // CUDA-core kernel and checked calls (which must visit every sequence to report it)
   // take a tile bound per sequence: max_query_len when given, else T.
   // The sm_80 kernel, measured on an H100 (PERF_NOTES.md): with max_query_len given, the per-sequence grid
@@ -139,7 +138,8 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   // kernels). It is used when the items left after those fill at least two rounds.
   const std::int64_t items = tiles * p.num_kv_heads;
   const std::int64_t sure_items = items - 2 * static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
-  k.persistent = sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * device_info(p.device_id).num_sms;
+  const int num_sms = device_info(p.device_id).num_sms;
+  k.persistent = sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * num_sms;
   k.tiles = static_cast<int>(tiles);
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
@@ -157,7 +157,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   }
   void* args[] = {&k};
   const dim3 grid = k.persistent
-                        ? dim3(static_cast<unsigned>(std::min<std::int64_t>(items, device_info(p.device_id).num_sms)))
+                        ? dim3(static_cast<unsigned>(num_sms))  // items >= 2 x num_sms
                         : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_kv_heads),
                                flat ? 1u : static_cast<unsigned>(p.num_seqs));
   check_cuda(cudaLaunchKernel(kernel.func, grid, dim3(kernel.threads), args, static_cast<std::size_t>(kernel.smem),

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
   T* ks_base = reinterpret_cast<T*>(smem);
   T* vs_base = reinterpret_cast<T*>(smem + 2 * C::kKBytes);
 
-  // The CTA's work, read by thread 0 alone and shared: every thread counts the same key
+  // The CTA's work, read by warp 0 alone and shared: every thread counts the same key
   // tiles, so all meet each tile's barriers even if a caller changes the index arrays
   // while the kernel runs.
   __shared__ PrefillItem item_slot;

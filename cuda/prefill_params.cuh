@@ -35,7 +35,7 @@ struct PrefillKernelParams {
   int max_query_len;  // the caller's bound, or -1
   int group;          // G
   bool skip_single;   // leave sequences with one valid row to the decode kernels (mixed batches)
-  bool flat_tiles;    // grid x enumerates every sequence's tiles (prefill_flat_task), z = 1
+  bool flat_tiles;    // grid x enumerates every sequence's tiles (prefill_item_warp), z = 1
   // Persistent kernels (flat grid only): the grid has fewer CTAs than work items, and each
   // walks items of the virtual grid of `tiles` x num_kv_heads (prefill_persistent_item).
   bool persistent;
@@ -96,7 +96,7 @@ __device__ __forceinline__ int prefill_window_first(const PrefillKernelParams& p
 // A CTA's work: which sequence and rows it computes, or that it fills rows with NaN, or
 // has nothing to do.
 struct PrefillItem {
-  int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN) or kItemSkip
+  int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN), kItemSkip or kItemEnd
   int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
   int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
 };

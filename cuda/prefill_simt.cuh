@@ -35,7 +35,7 @@ __device__ __forceinline__ float prefill_cache_elem(const PrefillKernelParams& p
 
 template <class T, KVCacheDType F, CacheLayout L>
 __global__ void __launch_bounds__(kPrefillSimtWarps * 32) prefill_simt_kernel(const __grid_constant__ PrefillKernelParams p) {
-  // The CTA's work, read by thread 0 alone and shared: all threads reach the block check's
+  // The CTA's work, read by warp 0 alone and shared: all threads reach the block check's
   // barrier even if a caller changes the index arrays while the kernel runs.
   __shared__ PrefillItem item_slot;
   const PrefillItem w = prefill_shared_item<kPrefillSimtWarps, false>(p, &item_slot);

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -93,13 +92,11 @@ def test_pipeline_edges(rng, layout, dtype, head_size, group):
 
 
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
-@pytest.mark.parametrize("kernel", [None, "mma"])
-def test_a_bad_block_id_spoils_only_the_rows_that_read_it(rng, layout, kernel):
+def test_a_bad_block_id_spoils_only_the_rows_that_read_it(rng, layout):
     """An unchecked call with a block id outside the pool in a long prompt: the rows whose
     keys include that block are NaN, the earlier rows of the prompt and every row of the
-    other sequence are exact (the Hopper kernel checks ids as it loads them)."""
-    if kernel is not None and not HOPPER:
-        pytest.skip("the kernel choice by variable is for Hopper")
+    other sequence are exact (the Hopper kernel checks ids as it loads them; the sm_80
+    kernel and the one-block-per-item grid run this test in the subprocesses below)."""
     seq_lens, q_lens = [600, 300], [600, 100]
     pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype="float16", layout=layout, num_heads=8, num_kv_heads=2,
                            head_size=128, block_size=16)  # fmt: skip
@@ -107,22 +104,7 @@ def test_a_bad_block_id_spoils_only_the_rows_that_read_it(rng, layout, kernel):
     bt = pb.block_tables.copy()
     bt[0, 30] = pb.key_cache.shape[0] + 7  # tokens 480 .. 495 of sequence 0
     args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, bt, pb.seq_lens)]
-    if kernel is None:
-        out = to_numpy(pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl)))
-    else:
-        env = dict(os.environ, PAGEDATTN_PREFILL_KERNEL=kernel)
-        code = (
-            "import sys, numpy as np, torch, pagedattn\n"
-            "a = [torch.from_numpy(np.load(sys.argv[1] + f'/{i}.npy')).cuda() for i in range(6)]\n"
-            "o = pagedattn.paged_attention(*a[:5], query_start_loc=a[5])\n"
-            "np.save(sys.argv[1] + '/out.npy', o.float().cpu().numpy())\n"
-        )
-        with tempfile.TemporaryDirectory() as d:
-            for i, a in enumerate((q, pb.key_cache, pb.value_cache, bt, pb.seq_lens, qsl)):
-                np.save(f"{d}/{i}.npy", a)
-            r = subprocess.run([sys.executable, "-c", code, d], env=env, capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0, r.stderr[-2000:]
-            out = np.load(f"{d}/out.npy")
+    out = to_numpy(pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl)))
     # sequence 0: rows 0 .. 599 at positions 0 .. 599; 128 packed rows = 32 tokens per CTA
     assert_close(out[:448], ref[:448], "float16", "rows before the bad block")
     assert np.isnan(out[480:600]).all(), "rows that read the bad block"
@@ -159,21 +141,29 @@ def test_windows_start_inside_a_page(rng, layout, block_size):
         assert_close(to_numpy(out), ref, dtype, f"window {window}")
 
 
+def run_tests_with(variable, value, tests):
+    """Runs the named tests ("file::test") in a pytest subprocess with one environment
+    variable set (the library reads its kernel choices once per process); all must pass."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, **{variable: value})
+    paths = [os.path.join(here, t) for t in tests]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *paths], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=here)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1]
+    return env
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
 def test_the_hopper_kernel_with_one_block_per_item():
     """PAGEDATTN_SM90_PERSISTENT=0: the Hopper kernel on a grid of one block per work item
     (as checked calls run it) instead of its persistent grid; the same tests pass."""
     if family() != "sm90_wgmma":
         pytest.skip("this build has no Hopper kernels")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PAGEDATTN_SM90_PERSISTENT="0")
-    tests = [os.path.join(here, "test_cuda_prefill.py") + "::" + t for t in ("test_mixed_batch", "test_head_sizes")]
-    tests += [os.path.join(here, "test_cuda_prefill_sm90.py") + "::" + t
-              for t in ("test_pipeline_edges", "test_windows_start_inside_a_page")]  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=here)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout.splitlines()[-1]
+    run_tests_with("PAGEDATTN_SM90_PERSISTENT", "0", [
+        "test_cuda_prefill.py::test_mixed_batch", "test_cuda_prefill.py::test_head_sizes",
+        "test_cuda_prefill_sm90.py::test_pipeline_edges", "test_cuda_prefill_sm90.py::test_windows_start_inside_a_page",
+        "test_cuda_prefill_sm90.py::test_a_bad_block_id_spoils_only_the_rows_that_read_it"])  # fmt: skip
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_80 kernel is the default off Hopper")
@@ -182,16 +172,12 @@ def test_the_sm80_kernel_on_hopper():
     tests of both files pass with it (in a subprocess: the variable is read once)."""
     if family() != "sm90_wgmma":
         pytest.skip("this build has no Hopper kernels")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PAGEDATTN_PREFILL_KERNEL="mma")
+    env = run_tests_with("PAGEDATTN_PREFILL_KERNEL", "mma", [
+        "test_cuda_prefill.py::test_mixed_batch", "test_cuda_prefill.py::test_head_sizes",
+        "test_cuda_prefill.py::test_gqa_groups_alibi_scale",
+        "test_cuda_prefill.py::test_max_query_len_bound_and_strided",
+        "test_cuda_prefill_sm90.py::test_pipeline_edges",
+        "test_cuda_prefill_sm90.py::test_a_bad_block_id_spoils_only_the_rows_that_read_it"])  # fmt: skip
     code = "import pagedattn; print(pagedattn.decode_plan(4, 32, 8, 128, 16, 64, 'bfloat16', 'nhd')['varlen_kernel'])"
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert got.stdout.strip() == "sm80_mma", got.stderr
-    names = ["test_mixed_batch", "test_head_sizes", "test_gqa_groups_alibi_scale"]
-    names.append("test_max_query_len_bound_and_strided")
-    tests = [os.path.join(here, "test_cuda_prefill.py") + "::" + t for t in names]
-    tests.append(os.path.join(here, "test_cuda_prefill_sm90.py") + "::test_pipeline_edges")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=here)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout.splitlines()[-1]
