@@ -19,6 +19,7 @@ struct DecodeKernelInfo {
   int threads = 0;
   int smem = 0;  // dynamic shared memory bytes
   int rows = 0;  // query heads per CTA
+  double cta_bw = 26.0e3;  // bytes per us one CTA pulls alone (the planner's model)
   const char* name = "";  // varlen kernels: the family, as decode_plan reports it
 };
 

@@ -26,6 +26,7 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout) {
         info.threads = Cfg::kThreads;
         info.smem = Cfg::kDynBytes;
         info.rows = Cfg::kRows;
+        info.cta_bw = Cfg::kCtaBw;
       }
       return info;
     });

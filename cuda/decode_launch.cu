@@ -24,13 +24,32 @@
 #include "cuda_backend.hpp"
 
 namespace pagedattn::cuda_backend {
+namespace {
+
+// A vllm cache of one-token blocks is, byte for byte, an nhd one: [N, K, D/x, 1, x] and
+// [N, K, D, 1] hold a block's heads as D contiguous elements each, as [N, 1, K, D] does
+// (the block stride is the cache's own in both). Such calls run the nhd kernels, which copy
+// whole token rows, instead of the vllm kernels' element-by-element value loads (6-10x the
+// page-16 time). Every entry point maps the call the same way, so the workspace size and
+// the plan a caller queries are those of the kernels that run.
+bool vllm_as_nhd(const DecodeParams& p) { return p.layout == CacheLayout::kVLLM && p.block_size == 1; }
+
+DecodeParams as_nhd(const DecodeParams& p) {
+  DecodeParams q = p;
+  q.layout = CacheLayout::kNHD;
+  return q;
+}
+
+}  // namespace
 
 std::size_t decode_workspace_bytes(const DecodeParams& p) {
+  if (vllm_as_nhd(p)) return decode_workspace_bytes(as_nhd(p));
   DeviceGuard guard(p.device_id);
   return cached_launch_plan(p).plan.workspace_bytes();
 }
 
 DecodePlanInfo decode_plan_info(const DecodeParams& p) {
+  if (vllm_as_nhd(p)) return decode_plan_info(as_nhd(p));
   DeviceGuard guard(p.device_id);
   const planner::DecodePlan plan = cached_launch_plan(p).plan;
   DecodePlanInfo info;
@@ -45,6 +64,7 @@ DecodePlanInfo decode_plan_info(const DecodeParams& p) {
 }
 
 void paged_attention(const DecodeParams& p, void* stream_handle) {
+  if (vllm_as_nhd(p)) return paged_attention(as_nhd(p), stream_handle);
   auto stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device_id);
   if (p.num_seqs == 0) return;

@@ -55,6 +55,7 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   kernel.threads = lp.kernel.threads;
   kernel.rows = lp.kernel.rows;
   kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id);
+  kernel.cta_bw = lp.kernel.cta_bw;
   planner::DeviceShape device;
   device.num_sms = dev.num_sms;
   device.mem_bw = dev.mem_bw;

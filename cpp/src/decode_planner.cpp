@@ -20,11 +20,10 @@ std::size_t DecodePlan::max_offset() const { return align_up(out_bytes); }
 std::size_t DecodePlan::sum_offset() const { return align_up(out_bytes) + align_up(stat_bytes); }
 
 double PlanModel::us(std::int64_t ctas, double cta_bytes, bool partials) const {
-  constexpr double kCtaBw = 26.0e3;  // bytes per us one CTA can pull
   constexpr double kCtaUs = 1.5, kRoundUs = 1.0, kTail = 0.2, kReduceUs = 3.0;
   const std::int64_t c = (ctas + sms - 1) / sms;
   const double active = static_cast<double>(std::min<std::int64_t>(ctas, sms));
-  const double rate = std::min(static_cast<double>(std::min<std::int64_t>(c, slots)) * kCtaBw, bw / active);
+  const double rate = std::min(static_cast<double>(std::min<std::int64_t>(c, slots)) * cta_bw, bw / active);
   double streamed = static_cast<double>(c);  // CTAs' worth of bytes the busiest multiprocessor waits for
   if (c > slots) {
     const double mean = static_cast<double>(ctas) / sms;
@@ -32,7 +31,7 @@ double PlanModel::us(std::int64_t ctas, double cta_bytes, bool partials) const {
   }
   double t = streamed * cta_bytes / rate + static_cast<double>(c) * kCtaUs +
              kRoundUs * static_cast<double>((c + slots - 1) / slots);
-  if (c > slots) t += kTail * cta_bytes / kCtaBw;
+  if (c > slots) t += kTail * cta_bytes / cta_bw;
   if (partials) t += kReduceUs + 2.0 * static_cast<double>(ctas) * part_bytes / bw;
   return t;
 }
@@ -54,7 +53,7 @@ DecodePlan make_plan(const DecodeShape& p, const KernelShape& kernel, const Devi
     plan.partials = p.kernel == DecodeKernel::kPartitioned || psize < ctx;
   } else {
     const double bytes_per_token = 2.0 * p.head_size * static_cast<double>(p.cache_elem_bytes);
-    const PlanModel model{device.num_sms, kernel.slots_per_sm, device.mem_bw,
+    const PlanModel model{device.num_sms, kernel.slots_per_sm, device.mem_bw, kernel.cta_bw,
                           4.0 * std::min(G, kernel.rows) * (p.head_size + 2)};
     const int min_np = p.kernel == DecodeKernel::kPartitioned && ctx > kPartitionAlign ? 2 : 1;
     const int max_np = static_cast<int>(std::max<std::int64_t>(min_np, std::min<std::int64_t>(ctx / 64, 512)));

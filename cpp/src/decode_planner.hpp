@@ -41,6 +41,8 @@ struct KernelShape {
   int threads = 0;       // per CTA (a multiple of 32)
   int rows = 0;          // query heads of one KV head's group per CTA (a head tile)
   int slots_per_sm = 1;  // CTAs of this kernel resident on one multiprocessor at once
+  double cta_bw = 26.0e3;  // bytes per us one CTA pulls alone (its copies in flight over the
+                           // memory latency; fitted per kernel family, see PlanModel)
 };
 
 // The device.
@@ -66,7 +68,9 @@ struct DecodePlan {
 // `cta_bytes`. Memory is shared evenly by the active multiprocessors; the busiest one
 // runs c = ceil(ctas / sms) CTAs, at most `slots` at a time, and one CTA pulls at most
 // ~26 bytes/ns (its warps' copies in flight over the memory latency), so a grid with
-// fewer CTAs than multiprocessors does not get the whole bandwidth. When the CTAs run in
+// fewer CTAs than multiprocessors does not get the whole bandwidth (~17 bytes/ns for the nhd
+// kernel, whose copies are token rows rather than whole slabs; the fp8 kernels keep twice
+// the stages, so as many bytes in flight as the 16-bit ones). When the CTAs run in
 // several rounds (c > slots), the busiest multiprocessor's extra work over the average
 // (c - ctas / sms) costs only slots / c of its streaming time: multiprocessors that run
 // out of CTAs early leave their share of the bandwidth to the others. Fixed costs: ~1.5 us
@@ -79,6 +83,7 @@ struct DecodePlan {
 struct PlanModel {
   int sms, slots;
   double bw;          // bytes per us for the whole device
+  double cta_bw;      // bytes per us one CTA can pull
   double part_bytes;  // partial-result bytes one CTA writes (and the reduce reads)
   double us(std::int64_t ctas, double cta_bytes, bool partials) const;
 };

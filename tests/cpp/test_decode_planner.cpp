@@ -113,6 +113,25 @@ PA_TEST(recorded_planner_decisions) {
   PA_CHECK_EQ(make_plan(shape(1, 32, 8, 128, 16384), kTensorCore, {kSms, kH100Bw}).partition_size, 1024);
 }
 
+PA_TEST(a_slower_cta_gets_more_partitions) {
+  // The nhd kernel's lone CTA streams ~17 bytes/ns (token rows), the vllm one's ~26 (whole
+  // slabs): where a grid has about one CTA per multiprocessor the nhd plan splits further.
+  // H100 sweeps (PERF_NOTES.md): nhd b8 x 16384 in 2 x 8192 took 243-250 us, in 4 x 4096
+  // 192-193; vllm about 190-199 either way. Grids that fill the GPU plan alike.
+  const KernelShape nhd{128, 16, 3, 17.0e3};
+  const DeviceShape h100{kSms, kH100Bw};
+  const DecodePlan b8 = make_plan(shape(8, 32, 8, 128, 16384), nhd, h100);
+  PA_CHECK_EQ(b8.num_partitions, 4);
+  PA_CHECK_EQ(b8.partition_size, 4096);
+  PA_CHECK_EQ(make_plan(shape(8, 32, 8, 128, 16384), kTensorCore, h100).num_partitions, 2);
+  PA_CHECK_EQ(make_plan(shape(1, 32, 8, 128, 16384), nhd, h100).partition_size, 512);
+  for (const DecodeShape& s : {shape(32, 32, 8, 128, 4096), shape(128, 32, 8, 128, 4096)})
+    PA_CHECK_EQ(make_plan(s, nhd, h100).num_partitions, make_plan(s, kTensorCore, h100).num_partitions);
+  // an fp8 stage holds half the bytes: half the lone-CTA rate, half the bytes per CTA
+  const KernelShape vllm_fp8{128, 16, 3, 13.0e3};
+  PA_CHECK_EQ(make_plan(shape(8, 32, 8, 128, 16384, 1), vllm_fp8, h100).num_partitions, 4);
+}
+
 PA_TEST(short_contexts_run_single_pass_whatever_the_occupancy) {
   // At most 4 chunks per warp: single pass on any device (the seed shapes' head size 64
   // kernel has its own, unrecorded occupancy, which therefore does not matter).

@@ -147,6 +147,20 @@ def test_fp8_block_sizes_and_odd_head(rng, layout, block_size):
           partition_size=32)  # fmt: skip
 
 
+# Every specialised head size with fp8 caches: nhd heads whose D/8 is a multiple of 4 read
+# their values with permuted dims (put back in order in the epilogue), the others byte by
+# byte; 16 query heads per KV head fill both row halves of the tile, and a partitioned run
+# crosses partition boundaries inside a sequence.
+@pytest.mark.parametrize("head_size", CUDA_HEAD_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_every_head_size(rng, head_size, layout):
+    for kind, dtype, kernel in (("fp8_e4m3", "bfloat16", "auto"), ("fp8_e5m2", "float16", "partitioned")):
+        p = fp8_problem(rng, [1, 15, 17, 300], kind=kind, dtype=NP_DTYPES[dtype], layout=layout, num_heads=32,
+                        num_kv_heads=2, head_size=head_size)  # fmt: skip
+        check(p, NP_DTYPES[dtype], kv_cache_dtype=kind, k_scale=0.05, v_scale=0.03, kernel=kernel,
+              partition_size=64 if kernel == "partitioned" else 0)  # fmt: skip
+
+
 @pytest.mark.parametrize("partition_size", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_partition_boundaries(rng, partition_size, dtype):

@@ -224,3 +224,15 @@ def test_hnd_plans_like_nhd():
         hnd = pagedattn.decode_plan(*args, layout="hnd", kernel="partitioned")
         assert hnd == pagedattn.decode_plan(*args, layout="nhd", kernel="partitioned"), b
         assert hnd["partition_size"] % 16 == 0 and hnd["num_partitions"] > 1
+
+
+def test_vllm_one_token_pages_run_as_nhd():
+    # A vllm cache of one-token blocks is byte for byte an nhd one: it gets the nhd plan and
+    # workspace (the values the caller queries are those of the kernels that run); at other
+    # page sizes the vllm plan stays its own. The numbers are checked for page 1 by
+    # test_every_cuda_page_size_decode_varlen_and_write.
+    for dtype, kind in (("bfloat16", "auto"), ("float16", "fp8_e4m3"), ("float32", "auto")):
+        args = (8, 32, 8, 128, 1, 4096, dtype)
+        vllm = pagedattn.decode_plan(*args, layout="vllm", kv_cache_dtype=kind)
+        assert vllm == pagedattn.decode_plan(*args, layout="nhd", kv_cache_dtype=kind), dtype
+        assert pagedattn.decode_workspace_size(*args, layout="vllm", kv_cache_dtype=kind) == vllm["workspace_bytes"]
