@@ -293,7 +293,9 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const int t = lane & 15;
           const bool okk = idA >= 0 && t0 + t < tok_end;
           const char* ksrc = okk ? kc + koff + t * 16 : kc;
-#pragma unroll
+          // unrolled for page 16 only: the run-time page size stays a short loop (code size)
+          constexpr int kUnroll = kB ? 16 : 1;
+#pragma unroll kUnroll
           for (int pi = lane; pi < nck * 16; pi += 32)
             cp_async16(ks + k_off<L, C::kKChunks>(pi >> 4, t), okk ? ksrc + (pi >> 4) * (Bs * 16) : kc, okk ? 16 : 0);
           constexpr int kPt16 = C::kV16;       // tokens per 16-byte V piece
@@ -301,7 +303,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           const int q = lane % kPieces;        // the lane's piece of every dim row
           const int nvalid = idA >= 0 ? min(kPt16, max(0, tok_end - (t0 + q * kPt16))) : 0;
           const char* vsrc = nvalid > 0 ? vc + voff + q * kPt16 * C::kE : vc;
-#pragma unroll
+#pragma unroll kUnroll
           for (int pi = lane; pi < D * kPieces; pi += 32)
             cp_async16(vs + pi * 16, nvalid > 0 ? vsrc + (pi / kPieces) * (Bs * C::kE) : vc, nvalid * C::kE);
         };
@@ -533,9 +535,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     const std::uint32_t pa[4] = {pack2<T>(sc[0][0], sc[0][1]), pack2<T>(sc[0][2], sc[0][3]),
                                  pack2<T>(sc[1][0], sc[1][1]), pack2<T>(sc[1][2], sc[1][3])};
 
-    // O += P V. Once the running maxima settle, every corr is 1 and the rescale is skipped
-    // (a warp-uniform branch; multiplying by 1 would change nothing)
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+    // O += P V. fp8 caches: once the running maxima settle, every corr is 1 and the
+    // rescale is skipped (a warp-uniform branch; multiplying by 1 would change nothing);
+    // 16-bit caches, which stream at the copy rate, keep the straight-line rescale.
+    if (C::kE == 2 || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
       for (int n = 0; n < C::kNTiles; ++n) {
         acc[n][0] *= corr[0];
