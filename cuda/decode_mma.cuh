@@ -456,11 +456,15 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       __syncwarp();
     }
 
-    // S = Q K^T
-    float sc[2][4];
+    // S = Q K^T. fp8 caches accumulate odd k-steps apart (sc2) and add at the end: two
+    // chains of dependent MMAs instead of one twice as long, to hide their latency behind
+    // each other (the fp8 loop is bound by its dependency chain, PERF_NOTES.md)
+    constexpr bool kSplitK = C::kE == 1;
+    float sc[2][4], sc2[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      sc2[nt][0] = sc2[nt][1] = sc2[nt][2] = sc2[nt][3] = 0.f;
       const int trow = slot_token<L>(nt, g);
 #pragma unroll
       for (int q = 0; q < C::kGroups; ++q) {
@@ -479,8 +483,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
             b0 = fp8x2_to<T, F>(w[sub]);
             b1 = fp8x2_to<T, F>(w[sub] >> 16);
           }
-          mma16816<T>(sc[nt], qa[q * C::kSPL + sub], b0, b1);
+          mma16816<T>(kSplitK && (sub & 1) ? sc2[nt] : sc[nt], qa[q * C::kSPL + sub], b0, b1);
         }
+      }
+      if constexpr (kSplitK) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] += sc2[nt][e];
       }
     }
 
