@@ -23,6 +23,8 @@
 // permutation, so the dot products are unchanged and every load is a vector load.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/decode_common.cuh"
 #include "cuda/mma.cuh"
 
@@ -194,6 +196,15 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   const unsigned visible = static_cast<unsigned>(tok_end - wfirst);
 
   // ---- Q fragments (A operand), permuted dims, zero for rows >= `rows` / dims >= D
+  // M: the MMA operand type. fp8 caches decode to f16 in one instruction (to bf16 in four),
+  // so bf16 queries over fp8 caches multiply in f16: each query row is scaled by a power of
+  // two that puts its largest |element| in [2^14, 2^15), which keeps every bf16 value exact in
+  // f16 down to 2^-28 of that largest one (smaller ones lose bits only where they cannot move
+  // the dot product at bf16 precision), and its logits are scaled back by the inverse power
+  // (qk_row). P and V are f16 too (P in [0, 1] keeps more bits than in bf16).
+  using M = std::conditional_t<F == KVCacheDType::kAuto, T, __half>;
+  constexpr bool kQToHalf = !std::is_same_v<T, M>;
+  float qk_row[2] = {p.qk_scale_log2, p.qk_scale_log2};  // per row half (g, g + 8)
   std::uint32_t qa[C::kKSteps][4];
   auto load_q = [&]() {
     const T* q0 = static_cast<const T*>(p.query) + task.row * p.q_stride_seq;
@@ -212,6 +223,27 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         }
         qa[st][half] = pack2<T>(v[0], v[1]);
         qa[st][2 + half] = pack2<T>(v[2], v[3]);
+      }
+    }
+    if constexpr (kQToHalf) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // the row's largest |element| as bf16 bits (a non-negative float's bits order it)
+        unsigned mb = 0;
+#pragma unroll
+        for (int st = 0; st < C::kKSteps; ++st)
+#pragma unroll
+          for (int j = half; j < 4; j += 2) mb = max(mb, max(qa[st][j] & 0x7fffu, (qa[st][j] >> 16) & 0x7fffu));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+        const int k = min(125, max(-125, 14 - (static_cast<int>(mb >> 7) - 127)));
+        const float scale = __uint_as_float(static_cast<unsigned>(127 + k) << 23);  // 2^k
+        qk_row[half] = p.qk_scale_log2 * __uint_as_float(static_cast<unsigned>(127 - k) << 23);
+#pragma unroll
+        for (int st = 0; st < C::kKSteps; ++st)
+#pragma unroll
+          for (int j = half; j < 4; j += 2)
+            qa[st][j] = pack2<M>(__uint_as_float(qa[st][j] << 16) * scale, __uint_as_float(qa[st][j] & 0xffff0000u) * scale);
       }
     }
   };
@@ -480,10 +512,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
             b0 = w[2 * sub];
             b1 = w[2 * sub + 1];
           } else {
-            b0 = fp8x2_to<T, F>(w[sub]);
-            b1 = fp8x2_to<T, F>(w[sub] >> 16);
+            b0 = fp8x2_to<M, F>(w[sub]);
+            b1 = fp8x2_to<M, F>(w[sub] >> 16);
           }
-          mma16816<T>(kSplitK && (sub & 1) ? sc2[nt] : sc[nt], qa[q * C::kSPL + sub], b0, b1);
+          mma16816<M>(kSplitK && (sub & 1) ? sc2[nt] : sc[nt], qa[q * C::kSPL + sub], b0, b1);
         }
       }
       if constexpr (kSplitK) {
@@ -499,12 +531,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sc[nt][e] = p.soft_cap_log2 * tanhf(sc[nt][e] * p.qk_scale_log2 * p.inv_soft_cap_log2);
+          sc[nt][e] = p.soft_cap_log2 * tanhf(sc[nt][e] * qk_row[e >> 1] * p.inv_soft_cap_log2);
     } else {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] *= p.qk_scale_log2;
+        for (int e = 0; e < 4; ++e) sc[nt][e] *= qk_row[e >> 1];
     }
 
     // online softmax (base 2), masking tokens outside [wfirst, tok_end)
@@ -540,8 +572,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       }
     l_run[0] = l_run[0] * corr[0] + ps[0];
     l_run[1] = l_run[1] * corr[1] + ps[1];
-    const std::uint32_t pa[4] = {pack2<T>(sc[0][0], sc[0][1]), pack2<T>(sc[0][2], sc[0][3]),
-                                 pack2<T>(sc[1][0], sc[1][1]), pack2<T>(sc[1][2], sc[1][3])};
+    const std::uint32_t pa[4] = {pack2<M>(sc[0][0], sc[0][1]), pack2<M>(sc[0][2], sc[0][3]),
+                                 pack2<M>(sc[1][0], sc[1][1]), pack2<M>(sc[1][2], sc[1][3])};
 
     // O += P V. fp8 caches: once the running maxima settle, every corr is 1 and the
     // rescale is skipped (a warp-uniform branch; multiplying by 1 would change nothing);
@@ -567,10 +599,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
           b1 = v.y;
         } else {
           const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c);
-          b0 = fp8x2_to<T, F>(v);
-          b1 = fp8x2_to<T, F>(v >> 16);
+          b0 = fp8x2_to<M, F>(v);
+          b1 = fp8x2_to<M, F>(v >> 16);
         }
-        mma16816<T>(acc[n], pa, b0, b1);
+        mma16816<M>(acc[n], pa, b0, b1);
       }
     } else if constexpr (F == KVCacheDType::kAuto) {
       const int mi = lane >> 3, r = lane & 7;
@@ -580,12 +612,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         if (n + 1 < C::kNTiles && (HEAD != 0 || (n + 1) * 8 < D)) {
           std::uint32_t b[4];
           ldmatrix_x4_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n + (mi >> 1)));
-          mma16816<T>(acc[n], pa, b[0], b[1]);
-          mma16816<T>(acc[n + 1], pa, b[2], b[3]);
+          mma16816<M>(acc[n], pa, b[0], b[1]);
+          mma16816<M>(acc[n + 1], pa, b[2], b[3]);
         } else {
           std::uint32_t b[2];
           ldmatrix_x2_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n));
-          mma16816<T>(acc[n], pa, b[0], b[1]);
+          mma16816<M>(acc[n], pa, b[0], b[1]);
         }
       }
     } else if constexpr (C::kVPerm) {
@@ -603,10 +635,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         // [t0 byte b, t1 byte b, t0 byte b+1, t1 byte b+1] for b = 0 and b = 2
         const std::uint32_t lo01 = __byte_perm(w[0][k], w[1][k], 0x5140), lo23 = __byte_perm(w[0][k], w[1][k], 0x7362);
         const std::uint32_t hi01 = __byte_perm(w[2][k], w[3][k], 0x5140), hi23 = __byte_perm(w[2][k], w[3][k], 0x7362);
-        mma16816<T>(acc[4 * k], pa, fp8x2_to<T, F>(lo01), fp8x2_to<T, F>(hi01));
-        mma16816<T>(acc[4 * k + 1], pa, fp8x2_to<T, F>(lo01 >> 16), fp8x2_to<T, F>(hi01 >> 16));
-        mma16816<T>(acc[4 * k + 2], pa, fp8x2_to<T, F>(lo23), fp8x2_to<T, F>(hi23));
-        mma16816<T>(acc[4 * k + 3], pa, fp8x2_to<T, F>(lo23 >> 16), fp8x2_to<T, F>(hi23 >> 16));
+        mma16816<M>(acc[4 * k], pa, fp8x2_to<M, F>(lo01), fp8x2_to<M, F>(hi01));
+        mma16816<M>(acc[4 * k + 1], pa, fp8x2_to<M, F>(lo01 >> 16), fp8x2_to<M, F>(hi01 >> 16));
+        mma16816<M>(acc[4 * k + 2], pa, fp8x2_to<M, F>(lo23), fp8x2_to<M, F>(hi23));
+        mma16816<M>(acc[4 * k + 3], pa, fp8x2_to<M, F>(lo23 >> 16), fp8x2_to<M, F>(hi23 >> 16));
       }
     } else {  // nhd fp8, other head sizes: byte loads of tokens 2c, 2c+1, 2c+8, 2c+9 at dim 8n + g
       static_assert(!C::kVSwz, "fp8 nhd values are staged and read with the padded row pitch, unswizzled");
@@ -616,7 +648,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
         const unsigned char* col = vs + n * 8 + g;
         const std::uint32_t lo = col[(2 * c) * C::kVPitch] | (col[(2 * c + 1) * C::kVPitch] << 8);
         const std::uint32_t hi = col[(2 * c + 8) * C::kVPitch] | (col[(2 * c + 9) * C::kVPitch] << 8);
-        mma16816<T>(acc[n], pa, fp8x2_to<T, F>(lo), fp8x2_to<T, F>(hi));
+        mma16816<M>(acc[n], pa, fp8x2_to<M, F>(lo), fp8x2_to<M, F>(hi));
       }
     }
     __syncwarp();

@@ -161,6 +161,24 @@ def test_fp8_every_head_size(rng, head_size, layout):
               partition_size=64 if kernel == "partitioned" else 0)  # fmt: skip
 
 
+# bf16 queries over fp8 caches multiply in f16, each query row scaled by a power of two into
+# f16's range first: rows of very large, very small and mixed magnitudes (and a zero row) must
+# give the float64 reference's answer, both layouts, both fp8 formats.
+@pytest.mark.parametrize("kind", FP8_KV_CACHE_DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_bf16_query_magnitudes(rng, layout, kind):
+    p = fp8_problem(rng, [1, 40, 300], kind=kind, dtype=NP_DTYPES["bfloat16"], layout=layout, num_heads=16,
+                    num_kv_heads=2, head_size=128)  # fmt: skip
+    q = p.query.astype(np.float32)
+    factors = [1e30, 1e-30, 3e4, 1e-3, 2.0**-120, 1e12, 0.0, 7.0]
+    for h in range(q.shape[1]):
+        q[:, h] *= factors[h % len(factors)]
+    q[:, 3, :64] *= 1e6  # one row of mixed magnitudes: half its dims a million times the rest
+    p.query = q.astype(p.query.dtype)
+    assert np.isfinite(p.query.astype(np.float32)).all()
+    check(p, NP_DTYPES["bfloat16"], kv_cache_dtype=kind, k_scale=0.05, v_scale=0.03)
+
+
 @pytest.mark.parametrize("partition_size", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_partition_boundaries(rng, partition_size, dtype):
