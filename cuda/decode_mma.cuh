@@ -33,7 +33,7 @@ namespace pagedattn::cuda_backend {
 // Warps per CTA and cp.async ring depth per warp (16-bit and fp8 caches); compile-time
 // knobs for tuning experiments (-DPAGEDATTN_MMA_WARPS=..., -DPAGEDATTN_MMA_STAGES=...,
 // -DPAGEDATTN_MMA_FP8_STAGES=...). fp8 stages hold half the bytes, yet 4 of them measured
-// 5-15% slower than 2 on an H100 (PERF_NOTES.md).
+// 5-15% slower than 2 on an H100 and 3 of them 1-13% slower on an H200 (PERF_NOTES.md).
 #ifndef PAGEDATTN_MMA_WARPS
 #define PAGEDATTN_MMA_WARPS 4
 #endif
