@@ -73,11 +73,12 @@ struct MmaDecodeConfig {
   static constexpr bool kVPerm = L == CacheLayout::kNHD && kE == 1 && HEAD != 0 && (HEAD / 8) % 4 == 0;
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
-  // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model:
-  // nhd copies token rows of D elements (~17 measured alone on an H100, ~13-14 at two CTAs per
-  // multiprocessor on an H200), vllm whole [D/x, 16, x] / [D, 16] slabs; an fp8 stage holds
-  // half the bytes of a 16-bit one (fp8 nhd: fitted to H100 sweeps).
-  static constexpr double kCtaBw = L == CacheLayout::kVLLM ? 13.0e3 * kE : (kE == 2 ? 13.0e3 : 8.5e3);
+  // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model,
+  // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
+  // stages hold half the bytes, 13); nhd copies token rows of D elements (13: ~17 alone on an
+  // H100, ~13-14 at two CTAs per multiprocessor on an H200; fp8 8.5, from H100 sweeps).
+  static constexpr double kCtaBw = L == CacheLayout::kVLLM ? (kE == 2 ? 26.0e3 : 13.0e3)
+                                                           : (kE == 2 ? 13.0e3 : 8.5e3);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.

@@ -68,9 +68,9 @@ struct DecodePlan {
 // `cta_bytes`. Memory is shared evenly by the active multiprocessors; the busiest one
 // runs c = ceil(ctas / sms) CTAs, at most `slots` at a time, and one CTA pulls at most
 // ~26 bytes/ns (its warps' copies in flight over the memory latency), so a grid with
-// fewer CTAs than multiprocessors does not get the whole bandwidth (~13 bytes/ns for the nhd
-// kernel, whose copies are token rows rather than whole slabs; half its layout's rate for an
-// fp8 kernel, whose stages hold half the bytes: KernelShape::cta_bw). When the CTAs run in
+// fewer CTAs than multiprocessors does not get the whole bandwidth (KernelShape::cta_bw, per
+// kernel: ~13 bytes/ns for the nhd kernel, whose copies are token rows rather than whole
+// slabs; 13 for vllm fp8 and 8.5 for nhd fp8, whose stages hold half the bytes). When the CTAs run in
 // several rounds (c > slots), the busiest multiprocessor's extra work over the average
 // (c - ctas / sms) costs only slots / c of its streaming time: multiprocessors that run
 // out of CTAs early leave their share of the bandwidth to the others. Fixed costs: ~1.5 us
