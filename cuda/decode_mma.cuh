@@ -142,6 +142,38 @@ __device__ __forceinline__ int k_off(int j, int t) {
   else return (t * NJ + (NJ % 8 == 0 ? j ^ ((t & 1) << 2) : j)) * 16;
 }
 
+// vllm values [N, K, D, B] of pages of 2 or 4 tokens (per-token block ids): a block's run
+// of one dim row (B elements, 4 or 8 bytes) is one cp.async piece into the stage's
+// [D][16 tokens] (vs). Its block id is that of its last live token, shuffled from the lane
+// holding it (idA, the lane's token's checked id): -1 when the run lies wholly before the
+// window (never read) or its id is bad (flagged by the caller). A run that straddles the
+// window's start is read whole; its values before the window are zeroed with the chunk's
+// (zero_values). Kept out of line: inlined, its loop grew the page-16 kernel's code by a
+// fifth and its small calls by 2-3 us on an H200.
+template <int E>
+__device__ __noinline__ void copy_short_value_runs(unsigned char* vs, const char* vc, std::int64_t v_block_bytes,
+                                                   int kvh, int D, int B, int t0, int tok_end, int idA) {
+  const int lane = threadIdx.x & 31;
+  const int run_bytes = B * E;
+  const int runs = 16 / B;  // runs per dim row of the chunk
+#pragma unroll 1
+  for (int p0 = 0; p0 < D * runs; p0 += 32) {  // warp-uniform trip count: shuffles
+    const int pi = p0 + lane;
+    const int d = pi / runs, q = pi % runs;
+    const int tk = t0 + q * B;
+    const int nvalid = min(B, max(0, tok_end - tk));
+    const int id = __shfl_sync(0xffffffffu, idA, (q * B + max(nvalid, 1) - 1) & 15);
+    if (pi >= D * runs) continue;
+    const bool okv = nvalid > 0 && id >= 0;
+    const char* src = okv ? vc + id * v_block_bytes + (static_cast<std::int64_t>(kvh) * D + d) * run_bytes : vc;
+    unsigned char* dst = vs + (d * 16 + q * B) * E;
+    if (run_bytes == 4)
+      cp_async4(dst, src, okv ? nvalid * E : 0);
+    else
+      cp_async8(dst, src, okv ? nvalid * E : 0);
+  }
+}
+
 // Zeroes the values of the first n (< 16) tokens of a stage's V (vs): one warp.
 template <class C, CacheLayout L>
 __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int nck) {
@@ -359,9 +391,12 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
                    ok ? 16 : 0);
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
       constexpr int kPt16 = C::kV16;  // tokens per 16-byte piece
-      if (per_token) {
-        // A block's run of one dim (B elements) is shorter than a copy piece: element by
-        // element, each token's id read again and range-checked (zeros where it is bad).
+      if (per_token && B * C::kE >= 4) {
+        copy_short_value_runs<C::kE>(vs, vc, v_block_bytes, kvh, D, B, t0, tok_end, idA);
+      } else if (per_token) {
+        // Runs of 1 or 2 bytes (fp8 pages of 2; pages of 1 run the nhd kernel), shorter
+        // than any copy piece: element by element, each token's id read again and
+        // range-checked (zeros where it is bad).
         for (int e = lane; e < D * 16; e += 32) {
           const int d = e >> 4, tk = e & 15, tok = t0 + tk;
           int id = tok < tok_end && tok >= wfirst ? __ldg(table_row + tok / B) : -1;
@@ -533,7 +568,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sc[nt][e] = p.soft_cap_log2 * tanhf(sc[nt][e] * qk_row[e >> 1] * p.inv_soft_cap_log2);
+          sc[nt][e] = soft_cap_logit(sc[nt][e] * qk_row[e >> 1], p.soft_cap_log2, p.inv_soft_cap_log2);
     } else {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)

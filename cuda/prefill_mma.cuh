@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
 #pragma unroll
         for (int n = 0; n < C::kBN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sc[mt][n][e] = p.soft_cap_log2 * tanhf(sc[mt][n][e] * p.inv_soft_cap_log2);
+          for (int e = 0; e < 4; ++e) sc[mt][n][e] = soft_cap_logit(sc[mt][n][e], p.soft_cap_log2, p.inv_soft_cap_log2);
     }
 
     const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;

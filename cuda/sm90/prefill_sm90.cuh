@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
           for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
           if (p.soft_cap_log2 > 0.f) {
   #pragma unroll
-            for (int k = 0; k < C::kBN / 2; ++k) sc[k] = p.soft_cap_log2 * tanhf(sc[k] * p.inv_soft_cap_log2);
+            for (int k = 0; k < C::kBN / 2; ++k) sc[k] = soft_cap_logit(sc[k], p.soft_cap_log2, p.inv_soft_cap_log2);
           }
           if (p.alibi_slopes != nullptr) {
   #pragma unroll

@@ -132,7 +132,9 @@ def test_decode_gqa_and_mha(rng, heads, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_decode_fp8_caches(rng, kind, dtype, layout):
     lens = [5, 31, 64, 200, 333]
-    for block_size in (8, 16):
+    # pages of 2 and 4: the vllm values come in runs of 2-8 bytes (element by element, 4- and
+    # 8-byte copies), the window's start inside a run
+    for block_size in (2, 4, 8, 16):
         p, fp8 = make_fp8(rng, lens, kind, dtype=np_dtype(dtype), layout=layout, num_heads=8, num_kv_heads=2,
                           head_size=64, block_size=block_size, alibi=True)  # fmt: skip
         assert poison_outside_window(p, 30) > 0
@@ -213,7 +215,7 @@ def test_sink_values_and_partitioning(rng, dtype):
         np.testing.assert_allclose(out[:, 3:], first[:, 3:], atol=atol, rtol=rtol, err_msg=f"{kernel} {ps}")
 
 
-@pytest.mark.parametrize("cap", [1e-3, 0.05, 30.0, 1e30])
+@pytest.mark.parametrize("cap", [1e-3, 0.05, 0.5, 2.0, 30.0, 1e30])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_soft_cap_extremes(rng, cap, dtype):
     p = make_problem(rng, [1, 40, 300], num_heads=8, num_kv_heads=2, head_size=128, dtype=np_dtype(dtype),
