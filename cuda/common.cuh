@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fp8_codec.hpp"
 #include "pagedattn/errors.hpp"
@@ -174,20 +175,37 @@ __device__ __forceinline__ float warp_sum(float v) {
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The soft cap on a base-2 logit x: cap * tanh(x / cap), with cap = soft_cap * log2(e)
-// and inv_cap its reciprocal. tanh(y) is 1 - 2 / (e^(2y) + 1) (one MUFU exponential and
-// one MUFU reciprocal; e^(2y) reaching 0 or inf gives -1 or 1), and below |y| = 1/16,
-// where that difference cancels, y (1 - y^2/3 + 2y^4/15) (relative error under 2^-27:
-// caps far above the logits, even 1e30, leave them as they are). 12 instructions, no
-// branch, where tanhf takes 16. Relative error within 3e-6: the tensor-core kernels, whose
-// outputs are 16-bit, use it; the float32 (CUDA-core) kernels keep tanhf.
+// and inv_cap its reciprocal, as cap - 2 cap / (e^(2x/cap) + 1): one MUFU exponential and
+// one MUFU reciprocal (e^(2x/cap) reaching 0 or inf gives -cap or cap), 5 instructions
+// where tanhf takes 16. Its error is absolute, within about cap * 2^-21, since the
+// difference cancels near x = 0: under 5e-4 for caps up to kSoftCapFastMax, beside the
+// float16 output's 2^-11. Larger caps (kFast false) take, below |x / cap| = 1/16,
+// y (1 - y^2/3 + 2y^4/15) with y = x / cap (relative error under 2^-27), so even a cap of
+// 1e30 leaves the logits as they are: 12 instructions, no branch. The tensor-core kernels,
+// whose outputs are 16-bit, use it; the float32 (CUDA-core) kernels keep tanhf.
+constexpr float kSoftCapFastMax = 1024.f;
+template <bool kFast>
 __device__ __forceinline__ float soft_cap_logit(float x, float cap, float inv_cap) {
-  const float y = x * inv_cap;
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * (inv_cap * (2.f * kLog2e))));
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
-  const float y2 = y * y;
-  const float small = x * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
-  return fabsf(y) < 0.0625f ? small : fmaf(-2.f * cap, r, cap);
+  const float capped = fmaf(-2.f * cap, r, cap);
+  if constexpr (kFast) {
+    return capped;
+  } else {
+    const float y = x * inv_cap, y2 = y * y;
+    const float small = x * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
+    return fabsf(y) < 0.0625f ? small : capped;
+  }
+}
+// Calls body(std::true_type{}) for caps the short form serves, else body(std::false_type{}):
+// one uniform branch around the caller's loop, the form a compile-time choice inside it.
+template <class Body>
+__device__ __forceinline__ void with_soft_cap_form(float cap, Body&& body) {
+  if (cap <= kSoftCapFastMax)
+    body(std::true_type{});
+  else
+    body(std::false_type{});
 }
 
 }  // namespace pagedattn::cuda_backend

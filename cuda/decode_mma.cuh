@@ -564,11 +564,14 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
     // its own, so the plain call runs the same instructions as without the option
     if (p.soft_cap_log2 > 0.f) {
+      with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sc[nt][e] = soft_cap_logit(sc[nt][e] * qk_row[e >> 1], p.soft_cap_log2, p.inv_soft_cap_log2);
+          for (int e = 0; e < 4; ++e)
+            sc[nt][e] = soft_cap_logit<decltype(fast)::value>(sc[nt][e] * qk_row[e >> 1], p.soft_cap_log2,
+                                                              p.inv_soft_cap_log2);
+      });
     } else {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)

@@ -466,8 +466,11 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   #pragma unroll
           for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
           if (p.soft_cap_log2 > 0.f) {
+            with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
   #pragma unroll
-            for (int k = 0; k < C::kBN / 2; ++k) sc[k] = soft_cap_logit(sc[k], p.soft_cap_log2, p.inv_soft_cap_log2);
+              for (int k = 0; k < C::kBN / 2; ++k)
+                sc[k] = soft_cap_logit<decltype(fast)::value>(sc[k], p.soft_cap_log2, p.inv_soft_cap_log2);
+            });
           }
           if (p.alibi_slopes != nullptr) {
   #pragma unroll

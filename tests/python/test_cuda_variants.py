@@ -228,6 +228,20 @@ def test_soft_cap_extremes(rng, cap, dtype):
     check(pv, dtype, qsl, soft_cap=cap)
 
 
+@pytest.mark.parametrize("cap", [700.0, 800.0])
+def test_soft_cap_either_side_of_the_short_form(rng, cap):
+    """The tensor-core kernels' soft cap has a short form for caps up to 1024 / log2(e)
+    (710) and a longer one above; logits of hundreds (scale 40) reach |logit / cap| of
+    0.5 and more, past both forms' switch to the exponential."""
+    p = make_problem(rng, [1, 40, 300], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16,
+                     alibi=True)  # fmt: skip
+    for kernel in KERNELS[:2]:
+        check(p, "float16", soft_cap=cap, scale=40.0, kernel=kernel[0], partition_size=kernel[1])
+    pv, qsl = make_varlen(rng, [40, 300], [40, 7], dtype=np.float16, num_heads=8, num_kv_heads=2, head_size=128,
+                          alibi=True)  # fmt: skip
+    check(pv, "float16", qsl, soft_cap=cap, scale=40.0)
+
+
 def test_check_block_tables_reads_only_the_window(rng):
     """Checked calls: entries before the window (released, -1) are not checked; a bad
     entry inside it is an error naming it, in both forms."""
