@@ -44,7 +44,10 @@ namespace pagedattn::cuda_backend {
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
 
-template <class T, KVCacheDType F, int HEAD, CacheLayout L>
+// S: the kernel of vllm pages of 2 and 4, and of 8 for 16-bit caches (small_page_stride,
+// copy_small_page_values), an instantiation of its own so that the page-16 kernel's code is
+// untouched by it (inlined into it, the small-page paths cost page 16 1.5-3% on an H200).
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false>
 struct MmaDecodeConfig {
   static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
@@ -71,7 +74,10 @@ struct MmaDecodeConfig {
   // consecutive bytes (one 16-byte load for d128) instead of D/8 byte loads; the output
   // dims are put back in order when the warps' results meet (the slab).
   static constexpr bool kVPerm = L == CacheLayout::kNHD && kE == 1 && HEAD != 0 && (HEAD / 8) % 4 == 0;
-  static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE : kTok * kVPitch;
+  // vllm pages of 2, 4 and 8 (S) keep a chunk's values as [16 / B blocks][D][B], each
+  // block's [D, B] slab copied whole, the blocks small_page_stride() apart: room for the pads.
+  static constexpr int kVSmallPad = S ? 512 : 0;
+  static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE + kVSmallPad : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
   // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model,
   // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
@@ -142,35 +148,52 @@ __device__ __forceinline__ int k_off(int j, int t) {
   else return (t * NJ + (NJ % 8 == 0 ? j ^ ((t & 1) << 2) : j)) * 16;
 }
 
-// vllm values [N, K, D, B] of pages of 2 or 4 tokens (per-token block ids): a block's run
-// of one dim row (B elements, 4 or 8 bytes) is one cp.async piece into the stage's
-// [D][16 tokens] (vs). Its block id is that of its last live token, shuffled from the lane
-// holding it (idA, the lane's token's checked id): -1 when the run lies wholly before the
-// window (never read) or its id is bad (flagged by the caller). A run that straddles the
-// window's start is read whole; its values before the window are zeroed with the chunk's
-// (zero_values). Kept out of line: inlined, its loop grew the page-16 kernel's code by a
-// fifth and its small calls by 2-3 us on an H200.
+// vllm pages of 2, 4 and 8: the stage holds a chunk's values as [16 / B blocks][D][B], the
+// cache's own [D, B] slab of each block, so each is copied whole in 16-byte pieces (into a
+// [D][16] stage a B-token run is one piece of 2B bytes: 4.4x the page-16 time at page 2,
+// 2.3x at page 4 and 1.6x at page 8 on an H200, with page-8 runs of 16 bytes). The blocks
+// lie small_page_stride() bytes apart: padded so that the threads of a quad, which read
+// tokens 4c .. 4c + 3 of a dim (in block 4c / B), meet different banks.
+__device__ __forceinline__ int small_page_stride(int D, int B, int E) {
+  const int bytes = D * B * E;                              // a block's [D, B] slab (16 | bytes)
+  const int mod = B == 2 ? 64 : 128, to = B == 8 ? 64 : 8 * B;  // quads 32 / 64 bytes apart
+  return bytes + (to - bytes % mod + mod) % mod;
+}
+
+// Copies the value slabs of a chunk's 16 / B blocks into the stage (vs), blocks cs bytes
+// apart. Block b's id: with per-token ids (B < 8) that of its last live token, shuffled
+// from the lane holding it (idA: the lane's token's checked id); for B = 8, idA / idB (the
+// chunk's halves). -1 when the block lies wholly before the window (never read), past the
+// sequence, or its id is bad (flagged by the caller): its slab is then zeros. A block read
+// whole may hold slots past the sequence or before the window: their values are zeroed
+// before use (zero_small_page_values).
 template <int E>
-__device__ __noinline__ void copy_short_value_runs(unsigned char* vs, const char* vc, std::int64_t v_block_bytes,
-                                                   int kvh, int D, int B, int t0, int tok_end, int idA) {
+__device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const char* vc, std::int64_t v_block_bytes,
+                                                       int kvh, int D, int B, int cs, int t0, int tok_end, int idA,
+                                                       int idB) {
   const int lane = threadIdx.x & 31;
-  const int run_bytes = B * E;
-  const int runs = 16 / B;  // runs per dim row of the chunk
+  const int slab = D * B * E;
+  const char* head = vc + static_cast<std::int64_t>(kvh) * slab;
 #pragma unroll 1
-  for (int p0 = 0; p0 < D * runs; p0 += 32) {  // warp-uniform trip count: shuffles
-    const int pi = p0 + lane;
-    const int d = pi / runs, q = pi % runs;
-    const int tk = t0 + q * B;
-    const int nvalid = min(B, max(0, tok_end - tk));
-    const int id = __shfl_sync(0xffffffffu, idA, (q * B + max(nvalid, 1) - 1) & 15);
-    if (pi >= D * runs) continue;
-    const bool okv = nvalid > 0 && id >= 0;
-    const char* src = okv ? vc + id * v_block_bytes + (static_cast<std::int64_t>(kvh) * D + d) * run_bytes : vc;
-    unsigned char* dst = vs + (d * 16 + q * B) * E;
-    if (run_bytes == 4)
-      cp_async4(dst, src, okv ? nvalid * E : 0);
-    else
-      cp_async8(dst, src, okv ? nvalid * E : 0);
+  for (int b = 0; b < 16 / B; ++b) {
+    const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
+    int id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
+    if (B == 8) id = b ? idB : idA;
+    const bool ok = nvalid > 0 && id >= 0;
+    const char* src = ok ? head + id * v_block_bytes : vc;
+    for (int j = lane * 16; j < slab; j += 32 * 16) cp_async16(vs + b * cs + j, ok ? src + j : vc, ok ? 16 : 0);
+  }
+}
+
+// Zeroes the values of tokens [lo, hi) of a small-page stage (copy_small_page_values): one warp.
+template <int E>
+__device__ __forceinline__ void zero_small_page_values(unsigned char* vs, int lo, int hi, int D, int B, int cs) {
+  const int n = hi - lo;
+  for (int i = threadIdx.x & 31; i < D * n; i += 32) {
+    const int d = i / n, t = lo + i % n;
+    unsigned char* e = vs + (t / B) * cs + (d * B + t % B) * E;
+#pragma unroll
+    for (int k = 0; k < E; ++k) e[k] = 0;
   }
 }
 
@@ -190,10 +213,11 @@ __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int
   }
 }
 
-template <class T, KVCacheDType F, int HEAD, CacheLayout L>
-__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
-  using C = MmaDecodeConfig<T, F, HEAD, L>;
+  static_assert(!S || L == CacheLayout::kVLLM, "the small-page kernel serves the vllm layout");
+  using C = MmaDecodeConfig<T, F, HEAD, L, S>;
   extern __shared__ __align__(128) unsigned char smem[];
   float* red_m = reinterpret_cast<float*>(smem + C::kSmemBytes);  // [kWarps][kRows]
   float* red_l = red_m + C::kRedFloats;
@@ -296,6 +320,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
   const std::int64_t k_block_bytes = p.k_block_stride * C::kE, v_block_bytes = p.v_block_stride * C::kE;
   const std::int64_t tok_bytes = p.tok_stride * C::kE, head_bytes = p.head_stride * C::kE;
   bool bad = false;
+  [[maybe_unused]] const int small_cs = S ? small_page_stride(D, B, C::kE) : 0;  // S: the blocks' stride
 
   // ---- issue the cp.async copies of this warp's i-th chunk into its stage
   // Raw block ids of tokens t0 and t0 + 8 of the warp's i-th chunk (one block when
@@ -340,7 +365,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       return per_token ? __shfl_sync(0xffffffffu, idA, t & 15) : (t < 8 ? idA : idB);
     };
     if constexpr (L == CacheLayout::kVLLM) {
-      if (HEAD != 0 && B >= 16) {
+      if (!S && HEAD != 0 && B >= 16) {
         // A chunk lies in one block (chunks start on multiples of 16; B is a power of two).
         // Its keys are nck runs of 16 tokens x 16 bytes (B * 16 bytes apart; for B = 16 the
         // whole [D/x, 16, x] slab) and its values D runs of 16 tokens (B * E bytes apart; for
@@ -391,12 +416,13 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
                    ok ? 16 : 0);
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
       constexpr int kPt16 = C::kV16;  // tokens per 16-byte piece
-      if (per_token && B * C::kE >= 4) {
-        copy_short_value_runs<C::kE>(vs, vc, v_block_bytes, kvh, D, B, t0, tok_end, idA);
-      } else if (per_token) {
-        // Runs of 1 or 2 bytes (fp8 pages of 2; pages of 1 run the nhd kernel), shorter
-        // than any copy piece: element by element, each token's id read again and
-        // range-checked (zeros where it is bad).
+      if constexpr (S) {
+        copy_small_page_values<C::kE>(vs, vc, v_block_bytes, kvh, D, B, small_cs, t0, tok_end, idA, idB);
+        return;
+      }
+      if (per_token) {
+        // Pages of 1 (which the host runs in the nhd kernel: the same bytes): element by
+        // element, each token's id read again and range-checked (zeros where it is bad).
         for (int e = lane; e < D * 16; e += 32) {
           const int d = e >> 4, tk = e & 15, tok = t0 + tk;
           int id = tok < tok_end && tok >= wfirst ? __ldg(table_row + tok / B) : -1;
@@ -520,7 +546,15 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
     // The window's first chunk: the slots before the window that its block holds came in
     // with the copies; their values are zeroed, so they never meet a product (their
     // logits are masked below). K needs nothing: a key only reaches its own column.
-    if (t0 < wfirst) {
+    if constexpr (S) {
+      // Small pages read whole blocks: also the slots past the sequence in its last one.
+      unsigned char* vz = my_ring + (i % C::kStages) * C::kStageBytes + C::kKBytes;
+      const int lo = min(16, max(0, wfirst - t0)), hi = max(0, tok_end - t0);
+      if (lo > 0) zero_small_page_values<C::kE>(vz, 0, lo, D, B, small_cs);
+      if (hi < 16) zero_small_page_values<C::kE>(vz, max(hi, lo), min(16, (hi + B - 1) / B * B), D, B, small_cs);
+      if (lo > 0 || hi < 16) __syncwarp();
+    }
+    if (!S && t0 < wfirst) {
       zero_values<C, L>(my_ring + (i % C::kStages) * C::kStageBytes + C::kKBytes, wfirst - t0, D, nck);
       __syncwarp();
     }
@@ -628,21 +662,63 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L>::kThreads)
       }
     }
     if constexpr (L == CacheLayout::kVLLM) {
+      // S ([16 / B][D][B] stages): tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of dim d lie in
+      // blocks (4c + 2h) / B, at token (4c + 2h) % B of each
+      auto pv_small = [&](auto block_size) {
+        constexpr int kB = decltype(block_size)::value;
+        const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB * C::kE;
+        const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB * C::kE;
 #pragma unroll
-      for (int n = 0; n < C::kNTiles; ++n) {
-        if (HEAD == 0 && n * 8 >= D) break;
-        const int d = n * 8 + g;
-        std::uint32_t b0, b1;
-        if constexpr (F == KVCacheDType::kAuto) {
-          const uint2 v = *reinterpret_cast<const uint2*>(vs + (d * 16 + 4 * c) * 2);
-          b0 = v.x;
-          b1 = v.y;
-        } else {
-          const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c);
-          b0 = fp8x2_to<M, F>(v);
-          b1 = fp8x2_to<M, F>(v >> 16);
+        for (int n = 0; n < C::kNTiles; ++n) {
+          if (HEAD == 0 && n * 8 >= D) break;
+          const int d = n * 8 + g;
+          std::uint32_t b0, b1;
+          if constexpr (F == KVCacheDType::kAuto) {
+            if constexpr (kB >= 4) {  // the 4 tokens adjacent in one block
+              const uint2 v = *reinterpret_cast<const uint2*>(v0 + d * (kB * 2));
+              b0 = v.x;
+              b1 = v.y;
+            } else {
+              b0 = *reinterpret_cast<const std::uint32_t*>(v0 + d * 4);
+              b1 = *reinterpret_cast<const std::uint32_t*>(v1 + d * 4);
+            }
+          } else {
+            std::uint32_t v;
+            if constexpr (kB >= 4)
+              v = *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
+            else
+              v = *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
+                  (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
+            b0 = fp8x2_to<M, F>(v);
+            b1 = fp8x2_to<M, F>(v >> 16);
+          }
+          mma16816<M>(acc[n], pa, b0, b1);
         }
-        mma16816<M>(acc[n], pa, b0, b1);
+      };
+      if constexpr (S) {
+        if (B == 2)
+          pv_small(std::integral_constant<int, 2>{});
+        else if (B == 4)
+          pv_small(std::integral_constant<int, 4>{});
+        else if constexpr (C::kE == 2)  // fp8 pages of 8 keep the other kernel
+          pv_small(std::integral_constant<int, 8>{});
+      } else {
+#pragma unroll
+        for (int n = 0; n < C::kNTiles; ++n) {
+          if (HEAD == 0 && n * 8 >= D) break;
+          const int d = n * 8 + g;
+          std::uint32_t b0, b1;
+          if constexpr (F == KVCacheDType::kAuto) {
+            const uint2 v = *reinterpret_cast<const uint2*>(vs + (d * 16 + 4 * c) * 2);
+            b0 = v.x;
+            b1 = v.y;
+          } else {
+            const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c);
+            b0 = fp8x2_to<M, F>(v);
+            b1 = fp8x2_to<M, F>(v >> 16);
+          }
+          mma16816<M>(acc[n], pa, b0, b1);
+        }
       }
     } else if constexpr (F == KVCacheDType::kAuto) {
       const int mi = lane >> 3, r = lane & 7;

@@ -127,6 +127,31 @@ def test_decode_gqa_and_mha(rng, heads, dtype):
               partition_size=kernel[1])  # fmt: skip
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+@pytest.mark.parametrize("head_size", [64, 72, 136])
+@pytest.mark.parametrize("cache", ["float16", "fp8_e4m3"])
+def test_vllm_small_pages(rng, block_size, head_size, cache):
+    """vllm pages of 2, 4 and 8 (16-bit) run a kernel of their own (whole blocks' value slabs, the
+    slots past a sequence's end or before its window zeroed after the copy): specialised
+    and generic head sizes, 16-bit and fp8 caches, sequences ending inside a block and
+    inside a 16-token chunk, windows starting inside a block."""
+    lens = [n for n in (1, block_size - 1, block_size + 1, 15, 17, 33, 250) if n > 0]
+    if cache != "float16":  # fp8 vllm keys come in 16-element chunks: 72 -> 80, 136 -> 144
+        head_size = -(-head_size // 16) * 16
+    for window in (0, 21):
+        if cache == "float16":
+            p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=head_size, dtype=np.float16,
+                             layout="vllm", block_size=block_size, alibi=True)  # fmt: skip
+            fp8 = {}
+        else:
+            p, fp8 = make_fp8(rng, lens, cache, dtype=np.float16, layout="vllm", num_heads=8, num_kv_heads=2,
+                              head_size=head_size, block_size=block_size, alibi=True)  # fmt: skip
+        if window:
+            assert poison_outside_window(p, window) > 0
+        for kernel in KERNELS[:2]:
+            check(p, "float16", sliding_window=window, kernel=kernel[0], partition_size=kernel[1], **fp8)
+
+
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
