@@ -82,9 +82,12 @@ struct MmaDecodeConfig {
   // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model,
   // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
   // stages hold half the bytes, 13); nhd copies token rows of D elements (13: ~17 alone on an
-  // H100, ~13-14 at two CTAs per multiprocessor on an H200; fp8 8.5, from H100 sweeps).
-  static constexpr double kCtaBw = L == CacheLayout::kVLLM ? (kE == 2 ? 26.0e3 : 13.0e3)
-                                                           : (kE == 2 ? 13.0e3 : 8.5e3);
+  // H100, ~13-14 at two CTAs per multiprocessor on an H200; fp8 8.5, from H100 sweeps). The
+  // small-page kernel (S) copies per-token keys as nhd does: nhd's rates (an H100 sweep of
+  // pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where 1024-token partitions
+  // took 200-235).
+  static constexpr double kCtaBw = L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
+                                                                 : (kE == 2 ? 13.0e3 : 8.5e3);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
