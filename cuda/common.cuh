@@ -181,21 +181,23 @@ constexpr float kLog2e = 1.4426950408889634f;
 // difference cancels near x = 0: under 5e-4 for caps up to kSoftCapFastMax, beside the
 // float16 output's 2^-11. Larger caps (kFast false) take, below |x / cap| = 1/16,
 // y (1 - y^2/3 + 2y^4/15) with y = x / cap (relative error under 2^-27), so even a cap of
-// 1e30 leaves the logits as they are: 12 instructions, no branch. The tensor-core kernels,
-// whose outputs are 16-bit, use it; the float32 (CUDA-core) kernels keep tanhf.
+// 1e30 leaves the logits as they are: 12 instructions, no branch. The tensor-core decode
+// kernels pick the form per call (with_soft_cap_form); the varlen ones take the longer form
+// only (two unrolled copies of a tile's loop spilled them); the float32 (CUDA-core) kernels,
+// whose outputs are float32, keep tanhf.
 constexpr float kSoftCapFastMax = 1024.f;
 template <bool kFast>
 __device__ __forceinline__ float soft_cap_logit(float x, float cap, float inv_cap) {
+  const float y = x * inv_cap;
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * (inv_cap * (2.f * kLog2e))));
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
-  const float capped = fmaf(-2.f * cap, r, cap);
   if constexpr (kFast) {
-    return capped;
+    return fmaf(-2.f * cap, r, cap);
   } else {
-    const float y = x * inv_cap, y2 = y * y;
+    const float y2 = y * y;
     const float small = x * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
-    return fabsf(y) < 0.0625f ? small : capped;
+    return fabsf(y) < 0.0625f ? small : fmaf(-2.f * cap, r, cap);
   }
 }
 // Calls body(std::true_type{}) for caps the short form serves, else body(std::false_type{}):

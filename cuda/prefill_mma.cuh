@@ -351,16 +351,14 @@ __global__ void __launch_bounds__(PrefillMmaConfig<T, F, D, L>::kThreads, Prefil
       for (int n = 0; n < C::kBN / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[mt][n][e] *= p.qk_scale_log2;
-    if (p.soft_cap_log2 > 0.f) {
-      with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
+    if (p.soft_cap_log2 > 0.f) {  // one form only: two unrolled loops of the tile spilled
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int n = 0; n < C::kBN / 8; ++n)
+        for (int n = 0; n < C::kBN / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              sc[mt][n][e] = soft_cap_logit<decltype(fast)::value>(sc[mt][n][e], p.soft_cap_log2, p.inv_soft_cap_log2);
-      });
+          for (int e = 0; e < 4; ++e)
+            sc[mt][n][e] = soft_cap_logit<false>(sc[mt][n][e], p.soft_cap_log2, p.inv_soft_cap_log2);
     }
 
     const bool masked = t0 + C::kBN - 1 > min_pos || t0 < max_first;

@@ -31,7 +31,7 @@ DecodeKernelInfo for_type(int head_size, CacheLayout layout) {
 DecodeKernelInfo sm90_prefill_kernel_info(DType dtype, KVCacheDType cache, int head_size, CacheLayout layout,
                                      int block_size) {
   if (cache != KVCacheDType::kAuto) return {};
-  if (layout == CacheLayout::kVLLM && block_size < 8) return {};
+  if (layout == CacheLayout::kVLLM && block_size < 2) return {};  // page 1 runs as nhd (the same bytes)
   if (dtype == DType::kFloat16) return for_type<__half>(head_size, layout);
   if (dtype == DType::kBFloat16) return for_type<__nv_bfloat16>(head_size, layout);
   return {};

@@ -171,7 +171,22 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       }
     }
     // Values [D][B]: thread = (8-token group, dim lane), dims dl, dl + 8, ...
-    {
+    if (lg_b < 3) {
+      // Pages of 2 and 4: a block's run of a dim row (B elements, 4 or 8 bytes) is one copy
+      // each; consecutive threads take consecutive dims of one block (its [D, B] slab is
+      // contiguous), written at their tokens' place in the stage's 16-byte units.
+#pragma unroll 4
+      for (int u = ptid; u < (C::kBN * D) >> lg_b; u += 128) {
+        const int vd = u & (D - 1), tt = (u >> (kLgChunks + 3)) << lg_b;
+        const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
+                       (static_cast<std::int64_t>(kh * D + vd) << lg_b);
+        unsigned char* dst = vs + swz(D, vd, tt >> 3) + (tt & 7) * 2;
+        if (lg_b == 2)
+          cp_async8(dst, src, 8);
+        else
+          cp_async4(dst, src, 4);
+      }
+    } else {
       const int tg = ptid & 15, dl = ptid >> 4, t = t0 + tg * 8;
       const T* src = vc + static_cast<std::int64_t>(ids[tg * 8]) * p.v_block_stride +
                      (static_cast<std::int64_t>(kh * D + dl) << lg_b) + (t & (B - 1));
@@ -201,6 +216,41 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
                               ((static_cast<std::int64_t>(kh * kChunks + chunk) << lg_b) + (t_seg & (B - 1)) + tok) * 8;
       cp_async16(ks + swz(C::kBN, si * bt + tok, chunk), kc + ki,
                  seg_live && tk < kv_end && tk >= kv_begin ? 16 : 0);
+    }
+    if (lg_b < 3) {
+      // values of pages of 2 and 4: piece u = (segment, dim), the block's run of the dim row
+      // (B elements), zero-filled past kv_end; a run straddling kv_begin goes through
+      // registers with its elements before it cleared
+#pragma unroll 4
+      for (int u = ptid; u < (C::kBN * D) >> lg_b; u += 128) {
+        const int vd = u & (D - 1), tt = (u >> (kLgChunks + 3)) << lg_b, tv = t0 + tt;
+        const bool seg_live = tv < kv_end && tv + B > kv_begin;
+        const std::int64_t blk = seg_live ? seg_block(tt >> lg_b, tv) : 0;
+        const T* src = vc + blk * p.v_block_stride + (static_cast<std::int64_t>(kh * D + vd) << lg_b);
+        unsigned char* dst = vs + swz(D, vd, tt >> 3) + (tt & 7) * 2;
+        if (seg_live && tv < kv_begin) {
+          std::uint16_t e[4];
+          if (lg_b == 2)
+            *reinterpret_cast<uint2*>(e) = *reinterpret_cast<const uint2*>(src);
+          else
+            *reinterpret_cast<std::uint32_t*>(e) = *reinterpret_cast<const std::uint32_t*>(src);
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (tv + k < kv_begin || tv + k >= kv_end) e[k] = 0;
+          if (lg_b == 2)
+            *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(e);
+          else
+            *reinterpret_cast<std::uint32_t*>(dst) = *reinterpret_cast<const std::uint32_t*>(e);
+          stored = true;
+        } else {
+          const int nb = seg_live ? 2 * min(B, kv_end - tv) : 0;
+          if (lg_b == 2)
+            cp_async8(dst, src, nb);
+          else
+            cp_async4(dst, src, nb);
+        }
+      }
+      return stored;
     }
     // values [D][B]: piece u = (segment, dim, 8 tokens)
     const int lg_vp = lg_bt - 3;  // pieces per dim row of a segment
@@ -466,11 +516,11 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   #pragma unroll
           for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
           if (p.soft_cap_log2 > 0.f) {
-            with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
+            // one form only (the exact-near-zero one): two unrolled loops of the tile's logits
+            // spilled the consumers (0 -> 124 bytes at d128 nhd)
   #pragma unroll
-              for (int k = 0; k < C::kBN / 2; ++k)
-                sc[k] = soft_cap_logit<decltype(fast)::value>(sc[k], p.soft_cap_log2, p.inv_soft_cap_log2);
-            });
+            for (int k = 0; k < C::kBN / 2; ++k)
+              sc[k] = soft_cap_logit<false>(sc[k], p.soft_cap_log2, p.inv_soft_cap_log2);
           }
           if (p.alibi_slopes != nullptr) {
   #pragma unroll
