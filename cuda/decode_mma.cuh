@@ -601,13 +601,26 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
     // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
     // its own, so the plain call runs the same instructions as without the option
     if (p.soft_cap_log2 > 0.f) {
+      // Rows g + 8 (e >= 2) hold query heads only in a tile of more than 8; in the others
+      // (GQA groups up to 8) they are zero rows, whose logits (0) the cap would leave at 0:
+      // they skip it (a uniform branch), which halves the cap's cost there.
       with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
+        constexpr bool kFast = decltype(fast)::value;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sc[nt][e] = soft_cap_logit<decltype(fast)::value>(sc[nt][e] * qk_row[e >> 1], p.soft_cap_log2,
-                                                              p.inv_soft_cap_log2);
+          for (int e = 0; e < 2; ++e)
+            sc[nt][e] = soft_cap_logit<kFast>(sc[nt][e] * qk_row[0], p.soft_cap_log2, p.inv_soft_cap_log2);
+        if (rows > 8) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 2; e < 4; ++e)
+              sc[nt][e] = soft_cap_logit<kFast>(sc[nt][e] * qk_row[1], p.soft_cap_log2, p.inv_soft_cap_log2);
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) sc[nt][2] = sc[nt][3] = 0.f;
+        }
       });
     } else {
 #pragma unroll
@@ -665,9 +678,10 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
       }
     }
     if constexpr (L == CacheLayout::kVLLM) {
-      // S ([16 / B][D][B] stages): tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of dim d lie in
-      // blocks (4c + 2h) / B, at token (4c + 2h) % B of each
-      auto pv_small = [&](auto block_size) {
+      // The stage as [16 / kB][D][kB] (S: kB = B, blocks small_cs apart; else kB = 16, the
+      // [D][16] stage): tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of dim d lie in blocks
+      // (4c + 2h) / kB, at token (4c + 2h) % kB of each
+      auto pv_blocks = [&](auto block_size) {
         constexpr int kB = decltype(block_size)::value;
         const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB * C::kE;
         const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB * C::kE;
@@ -700,28 +714,13 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
       };
       if constexpr (S) {
         if (B == 2)
-          pv_small(std::integral_constant<int, 2>{});
+          pv_blocks(std::integral_constant<int, 2>{});
         else if (B == 4)
-          pv_small(std::integral_constant<int, 4>{});
+          pv_blocks(std::integral_constant<int, 4>{});
         else if constexpr (C::kE == 2)  // fp8 pages of 8 keep the other kernel
-          pv_small(std::integral_constant<int, 8>{});
+          pv_blocks(std::integral_constant<int, 8>{});
       } else {
-#pragma unroll
-        for (int n = 0; n < C::kNTiles; ++n) {
-          if (HEAD == 0 && n * 8 >= D) break;
-          const int d = n * 8 + g;
-          std::uint32_t b0, b1;
-          if constexpr (F == KVCacheDType::kAuto) {
-            const uint2 v = *reinterpret_cast<const uint2*>(vs + (d * 16 + 4 * c) * 2);
-            b0 = v.x;
-            b1 = v.y;
-          } else {
-            const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c);
-            b0 = fp8x2_to<M, F>(v);
-            b1 = fp8x2_to<M, F>(v >> 16);
-          }
-          mma16816<M>(acc[n], pa, b0, b1);
-        }
+        pv_blocks(std::integral_constant<int, 16>{});  // [D][16]: one block of 16 as one run
       }
     } else if constexpr (F == KVCacheDType::kAuto) {
       const int mi = lane >> 3, r = lane & 7;
