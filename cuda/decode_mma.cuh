@@ -180,8 +180,7 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
 #pragma unroll 1
   for (int b = 0; b < 16 / B; ++b) {
     const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
-    int id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
-    if (B == 8) id = b ? idB : idA;
+    const int id = B == 8 ? (b ? idB : idA) : __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
     const bool ok = nvalid > 0 && id >= 0;
     const char* src = ok ? head + id * v_block_bytes : vc;
     for (int j = lane * 16; j < slab; j += 32 * 16) cp_async16(vs + b * cs + j, ok ? src + j : vc, ok ? 16 : 0);
@@ -204,12 +203,8 @@ __device__ __forceinline__ void zero_small_page_values(unsigned char* vs, int lo
 template <class C, CacheLayout L>
 __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int nck) {
   const int lane = threadIdx.x & 31;
-  if constexpr (L == CacheLayout::kVLLM) {  // [D][16 tokens]
-    for (int i = lane; i < D * n; i += 32) {
-      unsigned char* e = vs + ((i / n) * 16 + i % n) * C::kE;
-#pragma unroll
-      for (int b = 0; b < C::kE; ++b) e[b] = 0;
-    }
+  if constexpr (L == CacheLayout::kVLLM) {  // [D][16 tokens]: one slab of 16
+    zero_small_page_values<C::kE>(vs, 0, n, D, 16, 0);
   } else {  // [16 tokens] rows of nck 16-byte chunks
     for (int i = lane; i < n * nck; i += 32)
       *reinterpret_cast<uint4*>(vs + v_off<C>(i / nck, i % nck)) = make_uint4(0u, 0u, 0u, 0u);
@@ -423,22 +418,8 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
         copy_small_page_values<C::kE>(vs, vc, v_block_bytes, kvh, D, B, small_cs, t0, tok_end, idA, idB);
         return;
       }
-      if (per_token) {
-        // Pages of 1 (which the host runs in the nhd kernel: the same bytes): element by
-        // element, each token's id read again and range-checked (zeros where it is bad).
-        for (int e = lane; e < D * 16; e += 32) {
-          const int d = e >> 4, tk = e & 15, tok = t0 + tk;
-          int id = tok < tok_end && tok >= wfirst ? __ldg(table_row + tok / B) : -1;
-          if (id >= p.num_blocks) id = -1;
-          unsigned char* dst = vs + (d * 16 + tk) * C::kE;
-          const char* src = vc + static_cast<std::int64_t>(id >= 0 ? id : 0) * v_block_bytes +
-                            ((static_cast<std::int64_t>(kvh) * D + d) * B + tok % B) * C::kE;
-          if constexpr (C::kE == 2)
-            *reinterpret_cast<std::uint16_t*>(dst) = id >= 0 ? *reinterpret_cast<const std::uint16_t*>(src) : 0;
-          else
-            *dst = id >= 0 ? *reinterpret_cast<const unsigned char*>(src) : 0;
-        }
-      } else if (C::kE == 1 && B == 8) {  // fp8, 8-token blocks: 8-byte pieces
+      // Here B >= 8 (pages of 1 run the nhd kernels, pages of 2 and 4 the small-page one).
+      if (C::kE == 1 && B == 8) {  // fp8, 8-token blocks: 8-byte pieces
         for (int pi = lane; pi < D * 2; pi += 32) {
           const int d = pi >> 1, q = pi & 1;
           const int tk = t0 + q * 8;

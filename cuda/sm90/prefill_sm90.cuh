@@ -507,10 +507,17 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       // Plain scores (no soft cap, no ALiBi, a positive scale): the maximum is taken on the
       // raw products and the scale folds into the exponent's FMA.
       const bool plain = p.soft_cap_log2 <= 0.f && p.alibi_slopes == nullptr && p.qk_scale_log2 > 0.f;
-      // Softmax of the S of tile i (in sc): masks, running max and sum; returns the factor
-      // for O and leaves the weights in sc. Each option is a uniform branch around a loop
-      // of its own, so the plain tile runs none of their instructions.
-      auto softmax = [&](int i, float (&corr)[2]) {
+      // Softmax of the S of tile i (in sc): masks, running max and sum; leaves the weights
+      // in sc and returns whether O must be rescaled (then by corr). Each option is a
+      // uniform branch around a loop of its own, so the plain tile runs none of their
+      // instructions.
+      // The reference maximum m_run moves only when a row's tile maximum exceeds it by more
+      // than kSlack (base 2), and then for all rows of the warp: until then the weights are
+      // taken against the old reference (at most 2^kSlack, exact in float32 and of the
+      // same relative precision in 16 bits), and O and l need no rescale. The result is
+      // the same quotient: O and l share the reference, and the sinks take it too.
+      constexpr float kSlack = 8.0f;
+      auto softmax = [&](int i, float (&corr)[2]) -> bool {
         const int t0 = (kt_first + i) * C::kBN;
         if (!plain) {
   #pragma unroll
@@ -541,16 +548,26 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   #pragma unroll
         for (int k = 0; k < C::kBN / 2; ++k) mx[(k % 4) / 2] = fmaxf(mx[(k % 4) / 2], sc[k]);
         const float unit = plain ? p.qk_scale_log2 : 1.0f;  // base-2 logits per unit of sc
-        float m_use[2];
+        float m_new[2];
+        bool up = false;
   #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
           mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-          const float m_new = fmaxf(m_run[hr], mx[hr] * unit);
-          m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
-          corr[hr] = fast_exp2(m_run[hr] - m_use[hr]);
-          m_run[hr] = m_new;
-          l_run[hr] *= corr[hr];
+          m_new[hr] = fmaxf(m_run[hr], mx[hr] * unit);
+          up |= m_new[hr] > m_run[hr] + kSlack;  // a first finite maximum too (-inf + kSlack)
+        }
+        const bool rescale = __any_sync(0xffffffffu, up);
+        float m_use[2];
+  #pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          if (rescale) {
+            const float m_ref = m_new[hr] == -INFINITY ? 0.0f : m_new[hr];
+            corr[hr] = fast_exp2(m_run[hr] - m_ref);
+            m_run[hr] = m_new[hr];
+            l_run[hr] *= corr[hr];
+          }
+          m_use[hr] = m_run[hr] == -INFINITY ? 0.0f : m_run[hr];
         }
   #pragma unroll
         for (int k = 0; k < C::kBN / 2; ++k) {
@@ -558,6 +575,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
           sc[k] = w;
           l_run[(k % 4) / 2] += w;
         }
+        return rescale;
       };
       auto to_p = [&]() {
   #pragma unroll
@@ -608,11 +626,11 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         fence_regs(sc);
         if (i + 1 == n_tiles) mbar_arrive(q_empty);  // the producer may load the next item's Q
         float corr[2];
-        softmax(i, corr);
+        const bool rescale = softmax(i, corr);
         wgmma_wait<0>();  // P V of tile i - 1
         fence_regs(o);
         mbar_arrive(empty_bar(prev));
-        rescale_o(corr);
+        if (rescale) rescale_o(corr);
         to_p();
       }
       {

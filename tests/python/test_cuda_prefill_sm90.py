@@ -140,6 +140,40 @@ def test_windows_start_inside_a_page(rng, layout, block_size):
         assert_close(to_numpy(out), ref, dtype, f"window {window}")
 
 
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_a_running_maximum_that_jumps(rng, layout):
+    """Logits that rise by steps smaller and larger than the kernel's rescale slack (8 in
+    base 2: below it the weights are taken against the old maximum, above it O and l are
+    rescaled), fall back, and jump once more near the end, so that rows of one warp and of
+    one tile see their maxima move at different key tiles; every row against float64."""
+    dtype = DTYPES[-1]
+    seq_lens, q_lens = [1500, 900], [1500, 400]
+    pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype=dtype, layout=layout, num_heads=8, num_kv_heads=2,
+                           head_size=128, block_size=16)  # fmt: skip
+    # q . k gains 4 * alpha(t) from dim 0: about 0.5 * alpha(t) in base 2 after the scale
+    q[:, :, 0] = 4.0
+    for i, n in enumerate(seq_lens):
+        for t in range(n):
+            if t < 700:
+                alpha = 10.0 * (t // 200)  # steps of about 5 (base 2)
+            elif t < 1100:
+                alpha = 60.0 + 40.0 * ((t - 700) // 150)  # steps of about 20
+            elif t < 1400:
+                alpha = 10.0  # below the maximum so far
+            else:
+                alpha = 300.0  # one more jump, of about 70
+            blk, off = pb.block_tables[i, t // 16], t % 16
+            if layout == "vllm":
+                pb.key_cache[blk, :, 0, off, 0] = alpha
+            else:
+                pb.key_cache[blk, off, :, 0] = alpha
+    ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl)
+    out = pagedattn.paged_attention(to_torch(q), *[to_torch(a) for a in (pb.key_cache, pb.value_cache,
+                                    pb.block_tables, pb.seq_lens)], query_start_loc=to_torch(qsl),
+                                    max_query_len=max(q_lens))  # fmt: skip
+    assert_close(to_numpy(out), ref, dtype, "jumping maxima")
+
+
 def run_tests_with(variable, value, tests):
     """Runs the named tests ("file::test") in a pytest subprocess with one environment
     variable set (the library reads its kernel choices once per process); all must pass."""
@@ -162,6 +196,7 @@ def test_the_hopper_kernel_with_one_block_per_item():
     run_tests_with("PAGEDATTN_SM90_PERSISTENT", "0", [
         "test_cuda_prefill.py::test_mixed_batch", "test_cuda_prefill.py::test_head_sizes",
         "test_cuda_prefill_sm90.py::test_pipeline_edges", "test_cuda_prefill_sm90.py::test_windows_start_inside_a_page",
+        "test_cuda_prefill_sm90.py::test_a_running_maximum_that_jumps",
         "test_cuda_prefill_sm90.py::test_a_bad_block_id_spoils_only_the_rows_that_read_it"])  # fmt: skip
 
 
