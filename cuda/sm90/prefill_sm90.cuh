@@ -21,16 +21,18 @@
 // hands the rest to the consumers through two slots guarded by mbarriers, while the stage
 // ring and Q's barriers run on across items, so the next item's loads overlap the current
 // item's last products and stores. Otherwise each CTA takes the one item of its grid cell.
-// The tiles land in the tensor cores' 128-byte-swizzled layout, so no fragment passes
-// through registers on its way to an MMA. V is read as MN-major (transposed) for the
-// token-major layouts and as K-major for the vllm layout, whose value blocks are [D][B]:
+// The tiles land in a layout the tensor cores read, so no fragment passes through
+// registers on its way to an MMA: the 128-byte swizzle for Q and the token-major layouts,
+// the unswizzled K-major layout of 8 x 16-byte core matrices for the vllm layout, whose
+// key pieces and value blocks ([D][B]) then copy contiguously on both sides. V is read as
+// MN-major (transposed) for the token-major layouts and as K-major for the vllm layout:
 // each layout's tile is stored in its cache's own order.
 //
 // Shared memory, every region 1024-byte aligned (the swizzle atom: 8 rows of 128 bytes,
 // 16-byte chunk j of row r stored at chunk j ^ (r % 8)):
 //   Q  [D / 64][kBM rows][64 elements]
-//   K  [D / 64][kBN tokens][64 elements]                 x kStages
-//   V  nhd: as K;  vllm: [kBN / 64][D dims][64 tokens]  x kStages
+//   K  nhd: [D / 64][kBN tokens][64 elements]; vllm: [D / 8][kBN tokens][8]      x kStages
+//   V  nhd: as K;  vllm: [kBN / 8][D dims][8 tokens]                              x kStages
 //   the mbarriers, the two item slots, the producer's item lookups, and the block ids of
 //   the tiles being loaded
 #pragma once
@@ -46,12 +48,31 @@ __device__ __forceinline__ std::uint32_t swz(int rows, int row, int chunk) {
   return static_cast<std::uint32_t>(((chunk >> 3) * rows + row) * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-// A shared-memory matrix descriptor of the 128-byte swizzle: start address, leading byte
-// offset (MN-major: between 64-element column blocks; unused for K-major), stride byte
-// offset (between groups of 8 rows).
-__device__ __forceinline__ std::uint64_t smem_desc(std::uint32_t addr, std::uint32_t lbo, std::uint32_t sbo) {
+// A shared-memory matrix descriptor: start address, leading byte offset, stride byte
+// offset, layout. The 128-byte swizzle (swizzled = true): leading offset between 64-element
+// column blocks (MN-major; unused for K-major), stride offset between groups of 8 rows.
+// Unswizzled K-major: leading offset between core matrices adjacent in K, stride offset
+// between core matrices adjacent in M / N.
+__device__ __forceinline__ std::uint64_t smem_desc(std::uint32_t addr, std::uint32_t lbo, std::uint32_t sbo,
+                                                   bool swizzled = true) {
   return static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(lbo >> 4) << 16) |
-         (static_cast<std::uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+         (static_cast<std::uint64_t>(sbo >> 4) << 32) | (swizzled ? 1ull << 62 : 0ull);
+}
+
+// The vllm tiles are stored in the tensor cores' unswizzled K-major layout, core
+// matrices of 8 rows x 16 bytes (128 contiguous bytes), so that both sides of every copy
+// are contiguous (the cache's key pieces of one dim chunk are consecutive tokens, its
+// value pieces of one token group consecutive dims):
+//   K [D / 8 dim chunks][kBN tokens][8 dims], V [kBN / 8 token groups][D dims][8 tokens].
+// Byte offset of key token `row`, dim chunk `chunk`:
+template <int BN>
+__device__ __forceinline__ std::uint32_t vllm_k_off(int row, int chunk) {
+  return static_cast<std::uint32_t>((chunk * BN + row) * 16);
+}
+// Byte offset of the value of dim d, token tt (its place inside the 16-byte unit of 8 tokens):
+template <int D>
+__device__ __forceinline__ std::uint32_t vllm_v_off(int d, int tt) {
+  return static_cast<std::uint32_t>(((tt >> 3) * D + d) * 16 + (tt & 7) * 2);
 }
 
 template <class T, int D, CacheLayout L>
@@ -63,10 +84,11 @@ struct PrefillSm90Config {
   // Registers per thread after setmaxnreg (multiples of 8). setmaxnreg only moves
   // registers within what the CTA got at launch, 384 x 168 (the cap of
   // __launch_bounds__(384, 1)): 128 x producer + 256 x consumer must stay within it, or
-  // the consumers' increase waits forever.
-  // The vllm producer (three copy paths) takes 16 more.
-  static constexpr int kProducerRegs = (D == 128 ? 64 : 72) + (L == CacheLayout::kVLLM ? 16 : 0);
-  static constexpr int kConsumerRegs = (D == 128 ? 216 : 208) - (L == CacheLayout::kVLLM ? 16 : 0);
+  // the consumers' increase waits forever. 72 / 216 is that budget exactly: the consumers
+  // hold O, S and P of their 64 rows in 216 without spilling (at 200 the vllm consumers
+  // spilled P in the key loop).
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "more registers than the CTA holds");
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKBytes = kBN * D * 2;
@@ -166,7 +188,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const int row = 8 << lg_b;  // elements between a token's pieces
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        cp_async16(ks + swz(C::kBN, tt, c), src, 16);
+        cp_async16(ks + vllm_k_off<C::kBN>(tt, c), src, 16);
         src += row;
       }
     }
@@ -180,21 +202,26 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         const int vd = u & (D - 1), tt = (u >> (kLgChunks + 3)) << lg_b;
         const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                        (static_cast<std::int64_t>(kh * D + vd) << lg_b);
-        unsigned char* dst = vs + swz(D, vd, tt >> 3) + (tt & 7) * 2;
+        unsigned char* dst = vs + vllm_v_off<D>(vd, tt);
         if (lg_b == 2)
           cp_async8(dst, src, 8);
         else
           cp_async4(dst, src, 4);
       }
     } else {
-      const int tg = ptid & 15, dl = ptid >> 4, t = t0 + tg * 8;
-      const T* src = vc + static_cast<std::int64_t>(ids[tg * 8]) * p.v_block_stride +
-                     (static_cast<std::int64_t>(kh * D + dl) << lg_b) + (t & (B - 1));
-      const int rows8 = 8 << lg_b;  // elements between dims dl + 8 k
+      // Pages of 8 and more: a lane pair takes the two 8-token halves of a 16-token run of
+      // one dim row (32 bytes, one sector; two blocks at page 8), 16 dims per warp, dims
+      // d0 and d0 + 64: a warp instruction reads 16 whole sectors and writes two 256-byte
+      // runs of the stage.
+      const int hb = ptid & 1, d0 = ptid >> 1;
+      const int dim64 = 64 << lg_b;  // elements between dims d0 and d0 + 64
 #pragma unroll
-      for (int k = 0; k < D / 8; ++k) {
-        cp_async16(vs + swz(D, dl + 8 * k, tg), src, 16);
-        src += rows8;
+      for (int m = 0; m < C::kBN / 16; ++m) {
+        const int tt = 16 * m + 8 * hb;
+        const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
+                       (static_cast<std::int64_t>(kh * D + d0) << lg_b) + ((t0 + tt) & (B - 1));
+#pragma unroll
+        for (int j = 0; j < D / 64; ++j) cp_async16(vs + vllm_v_off<D>(d0 + 64 * j, tt), src + j * dim64, 16);
       }
     }
   } else {
@@ -214,7 +241,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const std::int64_t blk = seg_live ? seg_block(si, t_seg) : 0;
       const std::int64_t ki = blk * p.k_block_stride +
                               ((static_cast<std::int64_t>(kh * kChunks + chunk) << lg_b) + (t_seg & (B - 1)) + tok) * 8;
-      cp_async16(ks + swz(C::kBN, si * bt + tok, chunk), kc + ki,
+      cp_async16(ks + vllm_k_off<C::kBN>(si * bt + tok, chunk), kc + ki,
                  seg_live && tk < kv_end && tk >= kv_begin ? 16 : 0);
     }
     if (lg_b < 3) {
@@ -227,7 +254,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         const bool seg_live = tv < kv_end && tv + B > kv_begin;
         const std::int64_t blk = seg_live ? seg_block(tt >> lg_b, tv) : 0;
         const T* src = vc + blk * p.v_block_stride + (static_cast<std::int64_t>(kh * D + vd) << lg_b);
-        unsigned char* dst = vs + swz(D, vd, tt >> 3) + (tt & 7) * 2;
+        unsigned char* dst = vs + vllm_v_off<D>(vd, tt);
         if (seg_live && tv < kv_begin) {
           std::uint16_t e[4];
           if (lg_b == 2)
@@ -262,7 +289,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const std::int64_t blk = seg_live ? seg_block(si, t_seg) : 0;
       const std::int64_t vi =
           blk * p.v_block_stride + (static_cast<std::int64_t>(kh * D + vd) << lg_b) + (t_seg & (B - 1)) + vt;
-      unsigned char* dst = vs + swz(D, vd, (si * bt + vt) >> 3);
+      unsigned char* dst = vs + vllm_v_off<D>(vd, si * bt + vt);
       if (seg_live && tv < kv_begin && tv + 8 > kv_begin) {
         // straddles the window start: the elements before it become zeros
         uint4 raw = *reinterpret_cast<const uint4*>(vc + vi);
@@ -451,10 +478,13 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     const std::uint32_t kv_addr = smem_addr(kv_base);
     // Descriptors: one base per operand, the k-steps and stages as constant offsets of
     // the start-address field (addresses >> 4; shared memory stays far below its 14 bits).
+    constexpr bool kVllm = L == CacheLayout::kVLLM;
     const std::uint64_t q_desc = smem_desc(q_addr, 16, 1024);
-    const std::uint64_t k_desc = smem_desc(kv_addr, 16, 1024);
-    const std::uint64_t v_desc = L == CacheLayout::kVLLM ? smem_desc(kv_addr + C::kKBytes, 16, 1024)
-                                                         : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
+    // vllm: unswizzled K-major (vllm_k_off / vllm_v_off), core matrices adjacent in K a
+    // dim chunk (K) or a token group (V) apart, adjacent in N 128 bytes apart
+    const std::uint64_t k_desc = kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, false) : smem_desc(kv_addr, 16, 1024);
+    const std::uint64_t v_desc = kVllm ? smem_desc(kv_addr + C::kKBytes, D * 16, 128, false)
+                                       : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
     float o[D / 2];
     float sc[C::kBN / 2];
     std::uint32_t pa[C::kBN / 16][4];
@@ -463,16 +493,17 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         constexpr int kQStep = C::kBM * 128 >> 4, kKStep = C::kBN * 128 >> 4;
-        wgmma_ss<C::kBN, T>(sc, q_desc + (kk / 4) * kQStep + (kk % 4) * 2, kd + (kk / 4) * kKStep + (kk % 4) * 2,
-                            kk > 0 ? 1 : 0);
+        // vllm: a k-step is two dim chunks of kBN tokens x 16 bytes
+        const std::uint64_t kk_off = kVllm ? kk * (2 * C::kBN * 16 >> 4) : (kk / 4) * kKStep + (kk % 4) * 2;
+        wgmma_ss<C::kBN, T>(sc, q_desc + (kk / 4) * kQStep + (kk % 4) * 2, kd + kk_off, kk > 0 ? 1 : 0);
       }
     };
     auto issue_pv = [&](int st) {
       const std::uint64_t vd = v_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
 #pragma unroll
       for (int j = 0; j < C::kBN / 16; ++j) {
-        if constexpr (L == CacheLayout::kVLLM) {  // V [kBN/64][D][64 tokens]: K-major
-          wgmma_rs<D, T, 0>(o, pa[j], vd + (j / 4) * (D * 128 >> 4) + (j % 4) * 2, 1);
+        if constexpr (kVllm) {  // V [kBN/8][D][8 tokens]: K-major, a k-step two token groups
+          wgmma_rs<D, T, 0>(o, pa[j], vd + j * (2 * D * 16 >> 4), 1);
         } else {  // V [D/64][kBN][64 dims]: MN-major
           wgmma_rs<D, T, 1>(o, pa[j], vd + j * (16 * 128 >> 4), 1);
         }
