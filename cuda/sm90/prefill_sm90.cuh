@@ -49,30 +49,40 @@ __device__ __forceinline__ std::uint32_t swz(int rows, int row, int chunk) {
 }
 
 // A shared-memory matrix descriptor: start address, leading byte offset, stride byte
-// offset, layout. The 128-byte swizzle (swizzled = true): leading offset between 64-element
-// column blocks (MN-major; unused for K-major), stride offset between groups of 8 rows.
-// Unswizzled K-major: leading offset between core matrices adjacent in K, stride offset
-// between core matrices adjacent in M / N.
+// offset, layout (1: the 128-byte swizzle, 2: 64-byte, 3: 32-byte, 0: none). Swizzled
+// layouts: leading offset between 64-element column blocks (MN-major; unused for K-major),
+// stride offset between groups of 8 rows. Unswizzled K-major: leading offset between core
+// matrices adjacent in K, stride offset between core matrices adjacent in M / N.
 __device__ __forceinline__ std::uint64_t smem_desc(std::uint32_t addr, std::uint32_t lbo, std::uint32_t sbo,
-                                                   bool swizzled = true) {
+                                                   int layout = 1) {
   return static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(lbo >> 4) << 16) |
-         (static_cast<std::uint64_t>(sbo >> 4) << 32) | (swizzled ? 1ull << 62 : 0ull);
+         (static_cast<std::uint64_t>(sbo >> 4) << 32) | (static_cast<std::uint64_t>(layout) << 62);
 }
 
-// The vllm tiles are stored in the tensor cores' unswizzled K-major layout, core
-// matrices of 8 rows x 16 bytes (128 contiguous bytes), so that both sides of every copy
-// are contiguous (the cache's key pieces of one dim chunk are consecutive tokens, its
-// value pieces of one token group consecutive dims):
-//   K [D / 8 dim chunks][kBN tokens][8 dims], V [kBN / 8 token groups][D dims][8 tokens].
+// The vllm tiles are laid out so that both sides of every copy are contiguous: keys in
+// the tensor cores' unswizzled K-major layout (core matrices of 8 rows x 16 bytes, 128
+// contiguous bytes; the cache's pieces of one dim chunk are consecutive tokens),
+//   K [D / 8 dim chunks][kBN tokens][8 dims],
+// values K-major in rows of W = 16 << vs bytes (vs = value_swizzle(lg_b)), one row per
+// dim holding W / 2 consecutive tokens, as the cache's [D][B] block holds them:
+//   V [kBN / (W / 2) token columns][D dims][W bytes], swizzled in 16-byte units over
+//   8 rows (none for W = 16; the 32-, 64- and 128-byte swizzles otherwise),
+// so a warp's value copy reads whole dim rows of a block and writes whole rows here.
 // Byte offset of key token `row`, dim chunk `chunk`:
 template <int BN>
 __device__ __forceinline__ std::uint32_t vllm_k_off(int row, int chunk) {
   return static_cast<std::uint32_t>((chunk * BN + row) * 16);
 }
-// Byte offset of the value of dim d, token tt (its place inside the 16-byte unit of 8 tokens):
+// The value rows' width for pages of 1 << lg_b tokens: 16 bytes (pages of 8 or less), 32
+// (16), 64 (32), 128 (64 and more); W = 16 << value_swizzle(lg_b).
+__device__ __forceinline__ int value_swizzle(int lg_b) { return min(max(lg_b - 3, 0), 3); }
+// Byte offset of the value of dim d, token tt, in rows of 16 << sw bytes.
 template <int D>
-__device__ __forceinline__ std::uint32_t vllm_v_off(int d, int tt) {
-  return static_cast<std::uint32_t>(((tt >> 3) * D + d) * 16 + (tt & 7) * 2);
+__device__ __forceinline__ std::uint32_t vllm_v_off(int sw, int d, int tt) {
+  const int lg_w = 4 + sw;
+  const std::uint32_t off =
+      static_cast<std::uint32_t>((((2 * tt) >> lg_w) * D + d) << lg_w) + ((2 * tt) & ((1 << lg_w) - 1));
+  return off ^ (((off >> 7) & ((1u << sw) - 1)) << 4);
 }
 
 template <class T, int D, CacheLayout L>
@@ -202,26 +212,51 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         const int vd = u & (D - 1), tt = (u >> (kLgChunks + 3)) << lg_b;
         const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                        (static_cast<std::int64_t>(kh * D + vd) << lg_b);
-        unsigned char* dst = vs + vllm_v_off<D>(vd, tt);
+        unsigned char* dst = vs + vllm_v_off<D>(0, vd, tt);
         if (lg_b == 2)
           cp_async8(dst, src, 8);
         else
           cp_async4(dst, src, 4);
       }
     } else {
-      // Pages of 8 and more: a lane pair takes the two 8-token halves of a 16-token run of
-      // one dim row (32 bytes, one sector; two blocks at page 8), 16 dims per warp, dims
-      // d0 and d0 + 64: a warp instruction reads 16 whole sectors and writes two 256-byte
-      // runs of the stage.
-      const int hb = ptid & 1, d0 = ptid >> 1;
-      const int dim64 = 64 << lg_b;  // elements between dims d0 and d0 + 64
+      // Pages of 8 and more: 1 << sw lanes take one dim row of W = 16 << sw bytes (W / 2
+      // tokens of one block), so a warp instruction reads and writes 512 contiguous bytes
+      // (pages of 8 to 64) or 128-byte lines (larger pages), whole sectors on both sides.
+      // A thread's pieces: rows r0 + k * (128 >> sw) of the [token column][dim] rows.
+      auto copy_rows = [&](auto sw_c) {
+        constexpr int sw = decltype(sw_c)::value, kStep = 128 >> sw;  // rows between a thread's pieces
+        constexpr int kCols = (2 * C::kBN) >> (4 + sw);                 // token columns of the tile
+        const int q = ptid & ((1 << sw) - 1), r0 = ptid >> sw;
+        // Consecutive pieces of a thread lie kStep rows = 2048 bytes apart (a multiple of
+        // the swizzle's 1024-byte period): one offset, then immediates.
+        static_assert(kStep * (16 << sw) == 2048, "2048 bytes between a thread's value pieces");
+        unsigned char* dst = vs + vllm_v_off<D>(sw, r0 & (D - 1), (r0 / D) * (8 << sw) + q * 8);
+        if constexpr (kStep >= D) {  // every piece at dim r0 % D, token columns r0 / D + k * kStep / D
+          const int d = r0 & (D - 1);
+#pragma unroll 4
+          for (int k = 0; k < kCols * D / kStep; ++k) {
+            const int tt = (r0 / D + k * (kStep / D)) * (8 << sw) + q * 8;
+            const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
+                           (static_cast<std::int64_t>(kh * D + d) << lg_b) + ((t0 + tt) & (B - 1));
+            cp_async16(dst + 2048 * k, src, 16);
+          }
+        } else {  // dims r0 + i * kStep of every token column
+#pragma unroll 2
+          for (int col = 0; col < kCols; ++col) {
+            const int tt = col * (8 << sw) + q * 8;
+            const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
+                           (static_cast<std::int64_t>(kh * D + r0) << lg_b) + ((t0 + tt) & (B - 1));
 #pragma unroll
-      for (int m = 0; m < C::kBN / 16; ++m) {
-        const int tt = 16 * m + 8 * hb;
-        const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
-                       (static_cast<std::int64_t>(kh * D + d0) << lg_b) + ((t0 + tt) & (B - 1));
-#pragma unroll
-        for (int j = 0; j < D / 64; ++j) cp_async16(vs + vllm_v_off<D>(d0 + 64 * j, tt), src + j * dim64, 16);
+            for (int i = 0; i < D / kStep; ++i)
+              cp_async16(dst + 2048 * (col * (D / kStep) + i), src + (static_cast<std::int64_t>(i * kStep) << lg_b), 16);
+          }
+        }
+      };
+      switch (value_swizzle(lg_b)) {
+        case 0: copy_rows(std::integral_constant<int, 0>{}); break;
+        case 1: copy_rows(std::integral_constant<int, 1>{}); break;
+        case 2: copy_rows(std::integral_constant<int, 2>{}); break;
+        default: copy_rows(std::integral_constant<int, 3>{}); break;
       }
     }
   } else {
@@ -254,7 +289,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         const bool seg_live = tv < kv_end && tv + B > kv_begin;
         const std::int64_t blk = seg_live ? seg_block(tt >> lg_b, tv) : 0;
         const T* src = vc + blk * p.v_block_stride + (static_cast<std::int64_t>(kh * D + vd) << lg_b);
-        unsigned char* dst = vs + vllm_v_off<D>(vd, tt);
+        unsigned char* dst = vs + vllm_v_off<D>(0, vd, tt);
         if (seg_live && tv < kv_begin) {
           std::uint16_t e[4];
           if (lg_b == 2)
@@ -289,7 +324,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const std::int64_t blk = seg_live ? seg_block(si, t_seg) : 0;
       const std::int64_t vi =
           blk * p.v_block_stride + (static_cast<std::int64_t>(kh * D + vd) << lg_b) + (t_seg & (B - 1)) + vt;
-      unsigned char* dst = vs + vllm_v_off<D>(vd, si * bt + vt);
+      unsigned char* dst = vs + vllm_v_off<D>(value_swizzle(lg_b), vd, si * bt + vt);
       if (seg_live && tv < kv_begin && tv + 8 > kv_begin) {
         // straddles the window start: the elements before it become zeros
         uint4 raw = *reinterpret_cast<const uint4*>(vc + vi);
@@ -480,10 +515,13 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     // the start-address field (addresses >> 4; shared memory stays far below its 14 bits).
     constexpr bool kVllm = L == CacheLayout::kVLLM;
     const std::uint64_t q_desc = smem_desc(q_addr, 16, 1024);
-    // vllm: unswizzled K-major (vllm_k_off / vllm_v_off), core matrices adjacent in K a
-    // dim chunk (K) or a token group (V) apart, adjacent in N 128 bytes apart
-    const std::uint64_t k_desc = kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, false) : smem_desc(kv_addr, 16, 1024);
-    const std::uint64_t v_desc = kVllm ? smem_desc(kv_addr + C::kKBytes, D * 16, 128, false)
+    // vllm (vllm_k_off / vllm_v_off): K unswizzled K-major, core matrices adjacent in K a
+    // dim chunk apart, adjacent in N 128 bytes apart; V K-major in rows of 16 << vsw
+    // bytes, 8 rows a swizzle atom (unswizzled: core matrices adjacent in K a token
+    // column apart), layouts 0, 3, 2, 1 for vsw = 0 .. 3
+    const int vsw = kVllm ? value_swizzle(__ffs(p.block_size) - 1) : 0;
+    const std::uint64_t k_desc = kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, 0) : smem_desc(kv_addr, 16, 1024);
+    const std::uint64_t v_desc = kVllm ? smem_desc(kv_addr + C::kKBytes, D * 16, 128 << vsw, (4 - vsw) & 3)
                                        : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
     float o[D / 2];
     float sc[C::kBN / 2];
@@ -500,13 +538,25 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     };
     auto issue_pv = [&](int st) {
       const std::uint64_t vd = v_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
+      if constexpr (kVllm) {
+        // V [token columns][D][16 << sw bytes], K-major: k-step j (tokens 16 j ..) starts
+        // in column 2 j >> sw, 32 j bytes into its rows modulo their width (the offsets of
+        // sw = 0 and 1 agree; a uniform branch picks the sequence)
+        auto pv = [&](auto sw_c) {
+          constexpr int sw = decltype(sw_c)::value;
 #pragma unroll
-      for (int j = 0; j < C::kBN / 16; ++j) {
-        if constexpr (kVllm) {  // V [kBN/8][D][8 tokens]: K-major, a k-step two token groups
-          wgmma_rs<D, T, 0>(o, pa[j], vd + j * (2 * D * 16 >> 4), 1);
-        } else {  // V [D/64][kBN][64 dims]: MN-major
-          wgmma_rs<D, T, 1>(o, pa[j], vd + j * (16 * 128 >> 4), 1);
-        }
+          for (int j = 0; j < C::kBN / 16; ++j)
+            wgmma_rs<D, T, 0>(o, pa[j], vd + (((2 * j) >> sw) * (D << sw) + ((2 * j) & ((1 << sw) - 1))), 1);
+        };
+        if (vsw <= 1)
+          pv(std::integral_constant<int, 1>{});
+        else if (vsw == 2)
+          pv(std::integral_constant<int, 2>{});
+        else
+          pv(std::integral_constant<int, 3>{});
+      } else {  // V [D/64][kBN][64 dims]: MN-major
+#pragma unroll
+        for (int j = 0; j < C::kBN / 16; ++j) wgmma_rs<D, T, 1>(o, pa[j], vd + j * (16 * 128 >> 4), 1);
       }
     };
     const unsigned wlim = p.sliding_window > 0 ? static_cast<unsigned>(p.sliding_window) : 0x80000000u;
