@@ -183,13 +183,16 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         cp_async16(vs + o, vsrc + h * 64, n);
       }
     }
-  } else if (t0 >= kv_begin && t0 + C::kBN <= kv_end) {
-    // vllm, a tile of live tokens only (every tile but a sequence's last and a window's
-    // first): one address per thread and operand, the rest constant strides.
+  } else if (t0 >= kv_begin) {
+    // vllm, a tile without window-excluded tokens (every tile but a window's first): one
+    // address per thread and operand, the rest constant strides; tokens from kv_end on
+    // (a sequence's last tile) are zero-filled by the copies' source sizes (their ids
+    // read as 0: an address inside the pool, no byte read).
     // Keys [D/8][B][8]: thread = token, its D / 8 pieces one block row (B pieces) apart;
     // a warp's instruction reads whole runs of B consecutive pieces.
     {
       const int tt = ptid, t = t0 + tt;
+      const int nk = t < kv_end ? 16 : 0;
       const T* src = kc + static_cast<std::int64_t>(ids[tt]) * p.k_block_stride +
                      ((static_cast<std::int64_t>(kh * kChunks) << lg_b) + (t & (B - 1))) * 8;
       // (a pointer stepped by a 32-bit stride: an index times a 64-bit stride costs a wide
@@ -198,7 +201,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       const int row = 8 << lg_b;  // elements between a token's pieces
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        cp_async16(ks + vllm_k_off<C::kBN>(tt, c), src, 16);
+        cp_async16(ks + vllm_k_off<C::kBN>(tt, c), src, nk);
         src += row;
       }
     }
@@ -213,10 +216,11 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                        (static_cast<std::int64_t>(kh * D + vd) << lg_b);
         unsigned char* dst = vs + vllm_v_off<D>(0, vd, tt);
+        const int nb = 2 * min(B, max(0, kv_end - (t0 + tt)));
         if (lg_b == 2)
-          cp_async8(dst, src, 8);
+          cp_async8(dst, src, nb);
         else
-          cp_async4(dst, src, 4);
+          cp_async4(dst, src, nb);
       }
     } else {
       // Pages of 8 and more: 1 << sw lanes take one dim row of W = 16 << sw bytes (W / 2
@@ -238,7 +242,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
             const int tt = (r0 / D + k * (kStep / D)) * (8 << sw) + q * 8;
             const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                            (static_cast<std::int64_t>(kh * D + d) << lg_b) + ((t0 + tt) & (B - 1));
-            cp_async16(dst + 2048 * k, src, 16);
+            cp_async16(dst + 2048 * k, src, 2 * min(8, max(0, kv_end - (t0 + tt))));
           }
         } else {  // dims r0 + i * kStep of every token column
 #pragma unroll 2
@@ -246,9 +250,10 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
             const int tt = col * (8 << sw) + q * 8;
             const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                            (static_cast<std::int64_t>(kh * D + r0) << lg_b) + ((t0 + tt) & (B - 1));
+            const int nv = 2 * min(8, max(0, kv_end - (t0 + tt)));  // bytes of the piece before kv_end
 #pragma unroll
             for (int i = 0; i < D / kStep; ++i)
-              cp_async16(dst + 2048 * (col * (D / kStep) + i), src + (static_cast<std::int64_t>(i * kStep) << lg_b), 16);
+              cp_async16(dst + 2048 * (col * (D / kStep) + i), src + (static_cast<std::int64_t>(i * kStep) << lg_b), nv);
           }
         }
       };
@@ -260,7 +265,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       }
     }
   } else {
-    // vllm, a tile with dead or window-excluded tokens: segments of bt tokens inside one
+    // vllm, a window's first tile (tokens before kv_begin): segments of bt tokens inside one
     // block each (whole blocks, or the tile's part of one); consecutive threads take
     // consecutive 16-byte pieces of the cache.
     const int lg_bt = min(lg_b, 7), bt = 1 << lg_bt;
