@@ -192,7 +192,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
     // a warp's instruction reads whole runs of B consecutive pieces.
     {
       const int tt = ptid, t = t0 + tt;
-      const int nk = t < kv_end ? 16 : 0;
+      const int nk = t < kv_end ? 16 : 0;  // 16 on every tile but the last
       const T* src = kc + static_cast<std::int64_t>(ids[tt]) * p.k_block_stride +
                      ((static_cast<std::int64_t>(kh * kChunks) << lg_b) + (t & (B - 1))) * 8;
       // (a pointer stepped by a 32-bit stride: an index times a 64-bit stride costs a wide
@@ -227,8 +227,12 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
       // tokens of one block), so a warp instruction reads and writes 512 contiguous bytes
       // (pages of 8 to 64) or 128-byte lines (larger pages), whole sectors on both sides.
       // A thread's pieces: rows r0 + k * (128 >> sw) of the [token column][dim] rows.
-      auto copy_rows = [&](auto sw_c) {
+      // (kTail: the sequence's last tile, pieces clipped at kv_end; the other tiles copy
+      // whole pieces, with no size computed)
+      auto copy_rows = [&](auto sw_c, auto tail_c) {
         constexpr int sw = decltype(sw_c)::value, kStep = 128 >> sw;  // rows between a thread's pieces
+        constexpr bool kTail = decltype(tail_c)::value;
+        auto piece_bytes = [&](int tt) { return kTail ? 2 * min(8, max(0, kv_end - (t0 + tt))) : 16; };
         constexpr int kCols = (2 * C::kBN) >> (4 + sw);                 // token columns of the tile
         const int q = ptid & ((1 << sw) - 1), r0 = ptid >> sw;
         // Consecutive pieces of a thread lie kStep rows = 2048 bytes apart (a multiple of
@@ -242,7 +246,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
             const int tt = (r0 / D + k * (kStep / D)) * (8 << sw) + q * 8;
             const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                            (static_cast<std::int64_t>(kh * D + d) << lg_b) + ((t0 + tt) & (B - 1));
-            cp_async16(dst + 2048 * k, src, 2 * min(8, max(0, kv_end - (t0 + tt))));
+            cp_async16(dst + 2048 * k, src, piece_bytes(tt));
           }
         } else {  // dims r0 + i * kStep of every token column
 #pragma unroll 2
@@ -250,19 +254,25 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
             const int tt = col * (8 << sw) + q * 8;
             const T* src = vc + static_cast<std::int64_t>(ids[tt]) * p.v_block_stride +
                            (static_cast<std::int64_t>(kh * D + r0) << lg_b) + ((t0 + tt) & (B - 1));
-            const int nv = 2 * min(8, max(0, kv_end - (t0 + tt)));  // bytes of the piece before kv_end
+            const int nv = piece_bytes(tt);
 #pragma unroll
             for (int i = 0; i < D / kStep; ++i)
               cp_async16(dst + 2048 * (col * (D / kStep) + i), src + (static_cast<std::int64_t>(i * kStep) << lg_b), nv);
           }
         }
       };
-      switch (value_swizzle(lg_b)) {
-        case 0: copy_rows(std::integral_constant<int, 0>{}); break;
-        case 1: copy_rows(std::integral_constant<int, 1>{}); break;
-        case 2: copy_rows(std::integral_constant<int, 2>{}); break;
-        default: copy_rows(std::integral_constant<int, 3>{}); break;
-      }
+      auto copy_sw = [&](auto tail_c) {
+        switch (value_swizzle(lg_b)) {
+          case 0: copy_rows(std::integral_constant<int, 0>{}, tail_c); break;
+          case 1: copy_rows(std::integral_constant<int, 1>{}, tail_c); break;
+          case 2: copy_rows(std::integral_constant<int, 2>{}, tail_c); break;
+          default: copy_rows(std::integral_constant<int, 3>{}, tail_c); break;
+        }
+      };
+      if (t0 + C::kBN <= kv_end)
+        copy_sw(std::false_type{});
+      else
+        copy_sw(std::true_type{});
     }
   } else {
     // vllm, a window's first tile (tokens before kv_begin): segments of bt tokens inside one
