@@ -22,17 +22,18 @@
 // ring and Q's barriers run on across items, so the next item's loads overlap the current
 // item's last products and stores. Otherwise each CTA takes the one item of its grid cell.
 // The tiles land in a layout the tensor cores read, so no fragment passes through
-// registers on its way to an MMA: the 128-byte swizzle for Q and the token-major layouts,
-// the unswizzled K-major layout of 8 x 16-byte core matrices for the vllm layout, whose
-// key pieces and value blocks ([D][B]) then copy contiguously on both sides. V is read as
-// MN-major (transposed) for the token-major layouts and as K-major for the vllm layout:
-// each layout's tile is stored in its cache's own order.
+// registers on its way to an MMA: the 128-byte swizzle for Q and the token-major layouts;
+// for the vllm layout, keys unswizzled K-major (8 x 16-byte core matrices) and values in
+// rows as wide as a block's dim row (up to 128 bytes) with the matching swizzle, so that
+// its key pieces and value blocks ([D][B]) copy contiguously on both sides (vllm_k_off,
+// vllm_v_off). V is read as MN-major (transposed) for the token-major layouts and as
+// K-major for the vllm layout: each layout's tile is stored in its cache's own order.
 //
 // Shared memory, every region 1024-byte aligned (the swizzle atom: 8 rows of 128 bytes,
 // 16-byte chunk j of row r stored at chunk j ^ (r % 8)):
 //   Q  [D / 64][kBM rows][64 elements]
 //   K  nhd: [D / 64][kBN tokens][64 elements]; vllm: [D / 8][kBN tokens][8]      x kStages
-//   V  nhd: as K;  vllm: [kBN / 8][D dims][8 tokens]                              x kStages
+//   V  nhd: as K;  vllm: [kBN / (W / 2)][D dims][W / 2 tokens], W = 16 << sw      x kStages
 //   the mbarriers, the two item slots, the producer's item lookups, and the block ids of
 //   the tiles being loaded
 #pragma once
@@ -63,7 +64,7 @@ __device__ __forceinline__ std::uint64_t smem_desc(std::uint32_t addr, std::uint
 // the tensor cores' unswizzled K-major layout (core matrices of 8 rows x 16 bytes, 128
 // contiguous bytes; the cache's pieces of one dim chunk are consecutive tokens),
 //   K [D / 8 dim chunks][kBN tokens][8 dims],
-// values K-major in rows of W = 16 << vs bytes (vs = value_swizzle(lg_b)), one row per
+// values K-major in rows of W = 16 << sw bytes (sw = value_swizzle(lg_b)), one row per
 // dim holding W / 2 consecutive tokens, as the cache's [D][B] block holds them:
 //   V [kBN / (W / 2) token columns][D dims][W bytes], swizzled in 16-byte units over
 //   8 rows (none for W = 16; the 32-, 64- and 128-byte swizzles otherwise),
