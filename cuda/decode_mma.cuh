@@ -180,7 +180,8 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
 #pragma unroll 1
   for (int b = 0; b < 16 / B; ++b) {
     const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
-    const int id = B == 8 ? (b ? idB : idA) : __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
+    const int id =
+        B == 8 ? (b ? idB : idA) : __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
     const bool ok = nvalid > 0 && id >= 0;
     const char* src = ok ? head + id * v_block_bytes : vc;
     for (int j = lane * 16; j < slab; j += 32 * 16) cp_async16(vs + b * cs + j, ok ? src + j : vc, ok ? 16 : 0);

@@ -234,7 +234,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         constexpr int sw = decltype(sw_c)::value, kStep = 128 >> sw;  // rows between a thread's pieces
         constexpr bool kTail = decltype(tail_c)::value;
         auto piece_bytes = [&](int tt) { return kTail ? 2 * min(8, max(0, kv_end - (t0 + tt))) : 16; };
-        constexpr int kCols = (2 * C::kBN) >> (4 + sw);                 // token columns of the tile
+        constexpr int kCols = (2 * C::kBN) >> (4 + sw);  // token columns of the tile
         const int q = ptid & ((1 << sw) - 1), r0 = ptid >> sw;
         // Consecutive pieces of a thread lie kStep rows = 2048 bytes apart (a multiple of
         // the swizzle's 1024-byte period): one offset, then immediates.
@@ -258,16 +258,25 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
             const int nv = piece_bytes(tt);
 #pragma unroll
             for (int i = 0; i < D / kStep; ++i)
-              cp_async16(dst + 2048 * (col * (D / kStep) + i), src + (static_cast<std::int64_t>(i * kStep) << lg_b), nv);
+              cp_async16(dst + 2048 * (col * (D / kStep) + i),
+                         src + (static_cast<std::int64_t>(i * kStep) << lg_b), nv);
           }
         }
       };
       auto copy_sw = [&](auto tail_c) {
         switch (value_swizzle(lg_b)) {
-          case 0: copy_rows(std::integral_constant<int, 0>{}, tail_c); break;
-          case 1: copy_rows(std::integral_constant<int, 1>{}, tail_c); break;
-          case 2: copy_rows(std::integral_constant<int, 2>{}, tail_c); break;
-          default: copy_rows(std::integral_constant<int, 3>{}, tail_c); break;
+          case 0:
+            copy_rows(std::integral_constant<int, 0>{}, tail_c);
+            break;
+          case 1:
+            copy_rows(std::integral_constant<int, 1>{}, tail_c);
+            break;
+          case 2:
+            copy_rows(std::integral_constant<int, 2>{}, tail_c);
+            break;
+          default:
+            copy_rows(std::integral_constant<int, 3>{}, tail_c);
+            break;
         }
       };
       if (t0 + C::kBN <= kv_end)
@@ -536,7 +545,8 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     // bytes, 8 rows a swizzle atom (unswizzled: core matrices adjacent in K a token
     // column apart), layouts 0, 3, 2, 1 for vsw = 0 .. 3
     const int vsw = kVllm ? value_swizzle(__ffs(p.block_size) - 1) : 0;
-    const std::uint64_t k_desc = kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, 0) : smem_desc(kv_addr, 16, 1024);
+    const std::uint64_t k_desc =
+        kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, 0) : smem_desc(kv_addr, 16, 1024);
     const std::uint64_t v_desc = kVllm ? smem_desc(kv_addr + C::kKBytes, D * 16, 128 << vsw, (4 - vsw) & 3)
                                        : smem_desc(kv_addr + C::kKBytes, C::kBN * 128, 1024);
     float o[D / 2];
@@ -617,7 +627,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       auto softmax = [&](int i, float (&corr)[2]) -> bool {
         const int t0 = (kt_first + i) * C::kBN;
         if (!plain) {
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < C::kBN / 2; ++k) sc[k] *= p.qk_scale_log2;
           if (p.soft_cap_log2 > 0.f) {
             // one form only (the exact-near-zero one): two unrolled loops of the tile's logits
@@ -647,7 +657,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         const float unit = plain ? p.qk_scale_log2 : 1.0f;  // base-2 logits per unit of sc
         float m_new[2];
         bool up = false;
-  #pragma unroll
+#pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
           mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
@@ -656,7 +666,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         }
         const bool rescale = __any_sync(0xffffffffu, up);
         float m_use[2];
-  #pragma unroll
+#pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           if (rescale) {
             const float m_ref = m_new[hr] == -INFINITY ? 0.0f : m_new[hr];
@@ -666,7 +676,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
           }
           m_use[hr] = m_run[hr] == -INFINITY ? 0.0f : m_run[hr];
         }
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < C::kBN / 2; ++k) {
           const float w = fast_exp2(fmaf(sc[k], unit, -m_use[(k % 4) / 2]));
           sc[k] = w;
