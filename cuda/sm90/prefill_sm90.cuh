@@ -545,6 +545,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     // bytes, 8 rows a swizzle atom (unswizzled: core matrices adjacent in K a token
     // column apart), layouts 0, 3, 2, 1 for vsw = 0 .. 3
     const int vsw = kVllm ? value_swizzle(__ffs(p.block_size) - 1) : 0;
+    const int vmask = (1 << max(vsw - 1, 0)) - 1;  // see issue_pv
     const std::uint64_t k_desc =
         kVllm ? smem_desc(kv_addr, C::kBN * 16, 128, 0) : smem_desc(kv_addr, 16, 1024);
     const std::uint64_t v_desc = kVllm ? smem_desc(kv_addr + C::kKBytes, D * 16, 128 << vsw, (4 - vsw) & 3)
@@ -566,20 +567,12 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
       const std::uint64_t vd = v_desc + static_cast<std::uint64_t>(st * (C::kStageBytes >> 4));
       if constexpr (kVllm) {
         // V [token columns][D][16 << sw bytes], K-major: k-step j (tokens 16 j ..) starts
-        // in column 2 j >> sw, 32 j bytes into its rows modulo their width (the offsets of
-        // sw = 0 and 1 agree; a uniform branch picks the sequence)
-        auto pv = [&](auto sw_c) {
-          constexpr int sw = decltype(sw_c)::value;
+        // in column 2 j >> sw, 32 j bytes into its rows modulo their width, which in 16-byte
+        // units is 2 j D - (j & vmask) (2 D - 2), vmask = 0, 0, 1, 3 for sw = 0 .. 3 (one
+        // sequence of products: branches around them make the compiler fence each one)
 #pragma unroll
-          for (int j = 0; j < C::kBN / 16; ++j)
-            wgmma_rs<D, T, 0>(o, pa[j], vd + (((2 * j) >> sw) * (D << sw) + ((2 * j) & ((1 << sw) - 1))), 1);
-        };
-        if (vsw <= 1)
-          pv(std::integral_constant<int, 1>{});
-        else if (vsw == 2)
-          pv(std::integral_constant<int, 2>{});
-        else
-          pv(std::integral_constant<int, 3>{});
+        for (int j = 0; j < C::kBN / 16; ++j)
+          wgmma_rs<D, T, 0>(o, pa[j], vd + (2 * j * D - (j & vmask) * (2 * D - 2)), 1);
       } else {  // V [D/64][kBN][64 dims]: MN-major
 #pragma unroll
         for (int j = 0; j < C::kBN / 16; ++j) wgmma_rs<D, T, 1>(o, pa[j], vd + j * (16 * 128 >> 4), 1);
