@@ -35,7 +35,9 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size) {
       } else if constexpr (L == CacheLayout::kVLLM) {
         // vllm pages of 2 and 4, and 8 for 16-bit caches: the small-page kernel (slabs of
         // whole blocks). fp8 pages of 8 keep the [D][16] stage: 8-byte runs, measured 7%
-        // faster there than slabs on an H200 (111.7 against 120 us, b8 x16384).
+        // faster there than slabs on an H200 (111.7 against 120 us, b8 x16384). The other
+        // kernel copies values in pieces of 8 or 16 tokens, so it takes pages of 8 and more
+        // only (pages of 1 run the nhd kernels: decode_launch.cu's vllm_as_nhd).
         const bool small = block_size == 2 || block_size == 4 || (block_size == 8 && F == KVCacheDType::kAuto);
         info = small ? mma_kernel_info<T, F, HEAD, L, true>() : mma_kernel_info<T, F, HEAD, L, false>();
       } else {
