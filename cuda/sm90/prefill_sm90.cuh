@@ -206,7 +206,7 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
         src += row;
       }
     }
-    // Values [D][B]: thread = (8-token group, dim lane), dims dl, dl + 8, ...
+    // Values [D][B] (vllm_v_off's rows):
     if (lg_b < 3) {
       // Pages of 2 and 4: a block's run of a dim row (B elements, 4 or 8 bytes) is one copy
       // each; consecutive threads take consecutive dims of one block (its [D, B] slab is
