@@ -11,7 +11,8 @@ namespace pagedattn::cuda_backend {
 
 DecodeKernelInfo select_kernel(const DecodeParams& p) {
   return select_by_types(p, [&](auto t, auto kc) {
-    return decode_kernel<typename decltype(t)::type, decltype(kc)::value>(p.head_size, p.layout, p.block_size);
+    return decode_kernel<typename decltype(t)::type, decltype(kc)::value>(p.head_size, p.layout, p.block_size,
+                                                                          p.num_heads / p.num_kv_heads);
   });
 }
 

@@ -70,8 +70,9 @@ DecodeKernelInfo dispatch_layout(CacheLayout l, Fn&& fn) {
 }
 
 // Defined in inst_decode_*.cu (T = __half / __nv_bfloat16: tensor-core kernel;
-// T = float: CUDA-core kernel). The page size picks the vllm kernel (pages of 2, 4, 8).
+// T = float: CUDA-core kernel). The page size picks the vllm kernel (pages of 2, 4, 8), the
+// group size (query heads per KV head) the transposed fp8 kernels (groups of up to 8).
 template <class T, KVCacheDType F>
-DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size);
+DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size, int group);
 
 }  // namespace pagedattn::cuda_backend

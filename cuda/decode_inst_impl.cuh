@@ -7,11 +7,11 @@
 
 namespace pagedattn::cuda_backend {
 
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S>
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8 = false>
 DecodeKernelInfo mma_kernel_info() {
-  using Cfg = MmaDecodeConfig<T, F, HEAD, L, S>;
+  using Cfg = MmaDecodeConfig<T, F, HEAD, L, S, N8>;
   DecodeKernelInfo info;
-  info.func = reinterpret_cast<const void*>(&decode_mma_kernel<T, F, HEAD, L, S>);
+  info.func = reinterpret_cast<const void*>(&decode_mma_kernel<T, F, HEAD, L, S, N8>);
   info.threads = Cfg::kThreads;
   info.smem = Cfg::kDynBytes;
   info.rows = Cfg::kRows;
@@ -20,7 +20,7 @@ DecodeKernelInfo mma_kernel_info() {
 }
 
 template <class T, KVCacheDType F>
-DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size) {
+DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size, int group) {
   return dispatch_layout(layout, [&](auto lc) {
     constexpr CacheLayout L = decltype(lc)::value;
     return dispatch_head(head, [&](auto hc) {
@@ -39,8 +39,16 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size) {
         // kernel copies values in pieces of 8 or 16 tokens, so it takes pages of 8 and more
         // only (pages of 1 run the nhd kernels: decode_launch.cu's vllm_as_nhd).
         const bool small = block_size == 2 || block_size == 4 || (block_size == 8 && F == KVCacheDType::kAuto);
+        if constexpr (has_transposed_decode<F, HEAD, L>()) {
+          if (group <= 8)
+            return small ? mma_kernel_info<T, F, HEAD, L, true, true>()
+                         : mma_kernel_info<T, F, HEAD, L, false, true>();
+        }
         info = small ? mma_kernel_info<T, F, HEAD, L, true>() : mma_kernel_info<T, F, HEAD, L, false>();
       } else {
+        if constexpr (has_transposed_decode<F, HEAD, L>()) {
+          if (group <= 8) return mma_kernel_info<T, F, HEAD, L, false, true>();
+        }
         info = mma_kernel_info<T, F, HEAD, L, false>();
       }
       return info;

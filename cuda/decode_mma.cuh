@@ -6,6 +6,12 @@
 // the N / K dimensions:
 //   S  [16 heads x 16 tokens] = Q [16 x D] . K^T        (D/16 k-steps, 2 n-tiles)
 //   O  [16 heads x D]        += P [16 x 16 tokens] . V  (1 k-step, D/8 n-tiles)
+// fp8 caches with groups of up to 8 query heads run the products transposed (N8): the heads
+// are the mma's N (8), tokens and dims its M, the fp8 keys and values its A operand:
+//   S^T [16 tokens x 8 heads] = K . Q^T                 (D/16 k-steps, 1 n-tile)
+//   O^T [D x 8 heads]        += V^T . P^T               (D/16 m-tiles, 1 k-step)
+// half the MMAs, softmax values and accumulators of the untransposed tile, whose rows 8-15
+// are empty for such groups (P^T: S^T's two 8 x 8 halves transposed by movmatrix).
 // Each of the W warps streams its own 16-token chunks (chunk i, i+W, ...) through a
 // private kStages-deep cp.async ring in shared memory and keeps its own online-softmax
 // state; the warps are merged once at the end.
@@ -47,11 +53,13 @@ namespace pagedattn::cuda_backend {
 // S: the kernel of vllm pages of 2 and 4, and of 8 for 16-bit caches (small_page_stride,
 // copy_small_page_values), an instantiation of its own so that the page-16 kernel's code is
 // untouched by it (inlined into it, the small-page paths cost page 16 1.5-3% on an H200).
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false>
+// N8: the transposed products of fp8 caches for groups of up to 8 query heads (the heads
+// are the mma N, 8, instead of its M, 16; see kTransposed below).
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
 struct MmaDecodeConfig {
   static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRows = 16;  // query heads per CTA (mma M)
+  static constexpr int kRows = N8 ? 8 : 16;  // query heads per CTA (mma M, or N when transposed)
   static constexpr int kTok = 16;   // tokens per chunk (mma K of P.V)
   static constexpr int kE = F == KVCacheDType::kAuto ? static_cast<int>(sizeof(T)) : 1;  // cache element bytes
   static constexpr int kV16 = supported::kCacheChunkBytes / kE;               // elements per 16 bytes (x)
@@ -89,9 +97,15 @@ struct MmaDecodeConfig {
   static constexpr double kCtaBw = L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
                                                                  : (kE == 2 ? 13.0e3 : 8.5e3);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
+  // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
+  // sizes 64, 96 and 128 fit 4 (128 registers) without spilling: a third more warps to hide
+  // the fp8 loop's latency. The others spill at 128 (72-262 bytes) and keep 3.
+  static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 4 : 1;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
-  static constexpr int kSlabPitch = kHMax + 8;
+  // Transposed (N8), a thread writes single floats of two heads 2c, 2c + 1 at 8 dims:
+  // rows 4 floats apart keep the four c on different banks.
+  static constexpr int kSlabPitch = N8 ? kHMax + 4 : kHMax + 8;
   static constexpr int kSlabBytes = kWarps * kRows * kSlabPitch * 4;
   static constexpr int kSmemBytes = kPipeBytes > kSlabBytes ? kPipeBytes : kSlabBytes;
   // The per-warp max / exp-sum of each row go after the ring: the kernel has no static
@@ -100,6 +114,13 @@ struct MmaDecodeConfig {
   static constexpr int kRedFloats = kWarps * kRows;
   static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4;
 };
+
+// Whether a kernel has a transposed (N8) instantiation: fp8 caches of a specialised head
+// size, the vllm layout or nhd with permuted value dims (kVPerm).
+template <KVCacheDType F, int HEAD, CacheLayout L>
+constexpr bool has_transposed_decode() {
+  return F != KVCacheDType::kAuto && HEAD != 0 && (L == CacheLayout::kVLLM || (HEAD / 8) % 4 == 0);
+}
 
 // Token held in k-slot `col` (0..7) of QK n-tile `nt`: for the vllm layout ordered so a
 // thread's P.V slots {2c, 2c+1, 2c+8, 2c+9} are tokens 4c..4c+3; natural for nhd.
@@ -212,11 +233,14 @@ __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int
   }
 }
 
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false>
-__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8>::kThreads,
+                                  MmaDecodeConfig<T, F, HEAD, L, S, N8>::kMinBlocks)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
   static_assert(!S || L == CacheLayout::kVLLM, "the small-page kernel serves the vllm layout");
-  using C = MmaDecodeConfig<T, F, HEAD, L, S>;
+  static_assert(!N8 || has_transposed_decode<F, HEAD, L>(),
+                "the transposed kernel: fp8, specialised head sizes");
+  using C = MmaDecodeConfig<T, F, HEAD, L, S, N8>;
   extern __shared__ __align__(128) unsigned char smem[];
   float* red_m = reinterpret_cast<float*>(smem + C::kSmemBytes);  // [kWarps][kRows]
   float* red_l = red_m + C::kRedFloats;
@@ -284,7 +308,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
     }
     if constexpr (kQToHalf) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < (N8 ? 1 : 2); ++half) {  // N8: row g only
         // the row's largest |element| as bf16 bits (a non-negative float's bits order it)
         unsigned mb = 0;
 #pragma unroll
@@ -304,10 +328,11 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
       }
     }
   };
+  // slope (and qk_row after load_q) of rows g, g + 8; transposed (N8), of heads 2c, 2c + 1
   float slope[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
+    const int r = N8 ? 2 * c + half : g + 8 * half;
     slope[half] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[h0 + r] * kLog2e : 0.f;
   }
 
@@ -503,9 +528,11 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
   };
 
   // ---- per-warp online softmax state
-  float acc[C::kNTiles][4];
+  // acc: O's n-tiles [heads g, g + 8][dims]; transposed (N8), O^T's m-tiles [dims][heads 2c, 2c + 1]
+  constexpr int kAcc = N8 ? C::kHMax / 16 : C::kNTiles;
+  float acc[kAcc][4];
 #pragma unroll
-  for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int n = 0; n < kAcc; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
@@ -516,6 +543,11 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
   }
   int next_a = first_a[C::kStages - 1], next_b = first_b[C::kStages - 1];
   load_q();  // overlaps the first copies
+  if constexpr (N8) {  // the scales of heads 2c, 2c + 1, from the lanes of rows g = 2c, 2c + 1
+    const float s0 = qk_row[0];
+    qk_row[0] = __shfl_sync(0xffffffffu, s0, 8 * c);
+    qk_row[1] = __shfl_sync(0xffffffffu, s0, 8 * c + 4);
+  }
 
   for (int i = 0; i < my_chunks; ++i) {
     if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1, next_a, next_b);
@@ -544,11 +576,140 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
       __syncwarp();
     }
 
-    // S = Q K^T. fp8 caches accumulate odd k-steps apart (sc2) and add at the end: two
-    // chains of dependent MMAs instead of one twice as long, to hide their latency behind
-    // each other (the fp8 loop is bound by its dependency chain, PERF_NOTES.md)
-    constexpr bool kSplitK = C::kE == 1;
-    float sc[2][4], sc2[2][4];
+    if constexpr (N8) {
+      // ---- transposed (fp8, groups of up to 8): S^T [16 tokens x 8 heads] = K . Q^T, the
+      // keys the A operand (rows g, g + 8: the k-loads of the untransposed kernel's two
+      // n-tiles), the query the B one; two chains of dependent MMAs, as there
+      const int tr0 = slot_token<L>(0, g), tr1 = slot_token<L>(1, g);
+      float st[4] = {0.f, 0.f, 0.f, 0.f}, st2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < C::kGroups; ++q) {
+        const int j = 4 * q + c;
+        uint4 k0 = make_uint4(0u, 0u, 0u, 0u), k1 = k0;
+        if (j < nck) {
+          k0 = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, tr0));
+          k1 = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, tr1));
+        }
+        const std::uint32_t w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+        for (int sub = 0; sub < C::kSPL; ++sub) {
+          const std::uint32_t a[4] = {fp8x2_to<M, F>(w0[sub]), fp8x2_to<M, F>(w1[sub]),
+                                      fp8x2_to<M, F>(w0[sub] >> 16), fp8x2_to<M, F>(w1[sub] >> 16)};
+          mma16816<M>((sub & 1) ? st2 : st, a, qa[q * C::kSPL + sub][0], qa[q * C::kSPL + sub][2]);
+        }
+      }
+      // st[e]: token row g + 8 (e >> 1), head 2c + (e & 1)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[e] += st2[e];
+      if (p.soft_cap_log2 > 0.f) {
+        with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
+          constexpr bool kFast = decltype(fast)::value;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            st[e] = soft_cap_logit<kFast>(st[e] * qk_row[e & 1], p.soft_cap_log2, p.inv_soft_cap_log2);
+        });
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[e] *= qk_row[e & 1];
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = t0 + (e < 2 ? tr0 : tr1);
+        float v = st[e] + slope[e & 1] * static_cast<float>(tok - len + 1);
+        if (static_cast<unsigned>(tok - wfirst) >= visible) v = -INFINITY;
+        st[e] = v;
+        mx[e & 1] = fmaxf(mx[e & 1], v);
+      }
+      float corr[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // a head's 16 tokens lie on the 8 lanes of one c
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        corr[h] = exp2f(m_run[h] - m_new);
+        m_run[h] = m_new;
+      }
+      float ps[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        st[e] = exp2f(st[e] - m_run[e & 1]);
+        ps[e & 1] += st[e];
+      }
+      l_run[0] = l_run[0] * corr[0] + ps[0];
+      l_run[1] = l_run[1] * corr[1] + ps[1];
+      // P^T, the B operand of O^T += V^T P^T: each 8-token half of S^T transposed in place
+      // (k-slot r of P^T is token row r of S^T, so the tokens stay matched)
+      const std::uint32_t pb0 = movmatrix_trans(pack2<M>(st[0], st[1]));
+      const std::uint32_t pb1 = movmatrix_trans(pack2<M>(st[2], st[3]));
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+        for (int m = 0; m < kAcc; ++m) {
+          acc[m][0] *= corr[0];
+          acc[m][1] *= corr[1];
+          acc[m][2] *= corr[0];
+          acc[m][3] *= corr[1];
+        }
+      }
+      // O^T [D x 8 heads] += V^T [D x 16 tokens] . P^T: m-tile m's rows g, g + 8 are dims
+      // (vllm) 16m + g, 16m + 8 + g; (nhd, permuted) g D/8 + m, g D/8 + D/16 + m. A thread's
+      // k-slots {2c, 2c+1, 2c+8, 2c+9}: tokens 4c .. 4c+3 (vllm), 2c, 2c+1, 2c+8, 2c+9 (nhd).
+      if constexpr (L == CacheLayout::kVLLM) {
+        // word of dim d: the 4 value bytes of tokens 4c .. 4c+3 (blocks of kB tokens)
+        auto pv_blocks = [&](auto block_size) {
+          constexpr int kB = decltype(block_size)::value;
+          const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB;
+          const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB;
+          auto word = [&](int d) -> std::uint32_t {
+            if constexpr (kB >= 4)
+              return *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
+            else
+              return *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
+                     (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
+          };
+#pragma unroll
+          for (int m = 0; m < kAcc; ++m) {
+            const std::uint32_t x0 = word(16 * m + g), x1 = word(16 * m + 8 + g);
+            const std::uint32_t a[4] = {fp8x2_to<M, F>(x0), fp8x2_to<M, F>(x1), fp8x2_to<M, F>(x0 >> 16),
+                                        fp8x2_to<M, F>(x1 >> 16)};
+            mma16816<M>(acc[m], a, pb0, pb1);
+          }
+        };
+        if constexpr (S) {
+          if (B == 2)
+            pv_blocks(std::integral_constant<int, 2>{});
+          else
+            pv_blocks(std::integral_constant<int, 4>{});
+        } else {
+          pv_blocks(std::integral_constant<int, 16>{});
+        }
+      } else {
+        constexpr int kRun = C::kNTiles;  // D/8 value bytes per thread per token row
+        std::uint32_t w[4][kRun / 4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int tok = 2 * c + (r & 1) + 8 * (r >> 1);
+          load_words<kRun>(vs + tok * C::kVPitch + g * kRun, w[r]);
+        }
+        // byte b of the run as the f16 pair of tokens (2c, 2c+1) (hi = 0) or (2c+8, 2c+9)
+        auto pair = [&](int b, int hi) -> std::uint32_t {
+          const std::uint32_t x =
+              __byte_perm(w[2 * hi][b / 4], w[2 * hi + 1][b / 4], (b & 2) ? 0x7362 : 0x5140);
+          return fp8x2_to<M, F>((b & 1) ? x >> 16 : x);
+        };
+#pragma unroll
+        for (int m = 0; m < kAcc; ++m) {
+          const std::uint32_t a[4] = {pair(m, 0), pair(kAcc + m, 0), pair(m, 1), pair(kAcc + m, 1)};
+          mma16816<M>(acc[m], a, pb0, pb1);
+        }
+      }
+    } else {
+      // S = Q K^T. fp8 caches accumulate odd k-steps apart (sc2) and add at the end: two
+      // chains of dependent MMAs instead of one twice as long, to hide their latency behind
+      // each other (the fp8 loop is bound by its dependency chain, PERF_NOTES.md)
+      constexpr bool kSplitK = C::kE == 1;
+      float sc[2][4], sc2[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
@@ -751,20 +912,36 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
         mma16816<M>(acc[n], pa, fp8x2_to<M, F>(lo), fp8x2_to<M, F>(hi));
       }
     }
+    }  // N8
     __syncwarp();
   }
   cp_async_wait<0>();
   PA_TRACE(8);
 
   // ---- merge the warps
+  // a row's exp-sums are spread over the lanes of its g (over c when transposed)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+    if constexpr (N8) {
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 4);
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 8);
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 16);
+    } else {
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+    }
   }
   const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
   PA_TRACE(9);
-  if (c == 0) {
+  if constexpr (N8) {
+    if (g == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        red_m[warp * C::kRows + 2 * c + h] = m_run[h];
+        red_l[warp * C::kRows + 2 * c + h] = l_run[h];
+      }
+    }
+  } else if (c == 0) {
     red_m[warp * C::kRows + g] = m_run[0];
     red_m[warp * C::kRows + g + 8] = m_run[1];
     red_l[warp * C::kRows + g] = l_run[0];
@@ -774,7 +951,7 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
   float f[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
+    const int r = N8 ? 2 * c + half : g + 8 * half;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kWarps; ++w) mx = fmaxf(mx, red_m[w * C::kRows + r]);
@@ -784,7 +961,20 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S>::kThreads)
   float* r0 = slab + (warp * C::kRows + g) * C::kSlabPitch + 2 * c;
   float* r1 = r0 + 8 * C::kSlabPitch;
   // only the group's rows: the padding rows of the mma tile are never stored
-  if constexpr (C::kVPerm) {  // columns 2c, 2c+1 of n-tile n are dims 2c * D/8 + n, (2c + 1) * D/8 + n
+  if constexpr (N8) {  // acc[m][e]: head 2c + (e & 1), m-tile m's row g + 8 (e >> 1)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (2 * c + h >= rows) continue;
+      float* o = slab + (warp * C::kRows + 2 * c + h) * C::kSlabPitch;
+#pragma unroll
+      for (int m = 0; m < kAcc; ++m)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int d = L == CacheLayout::kVLLM ? 16 * m + 8 * hi + g : g * (D / 8) + hi * (D / 16) + m;
+          o[d] = acc[m][2 * hi + h] * f[h];
+        }
+    }
+  } else if constexpr (C::kVPerm) {  // columns 2c, 2c+1 of n-tile n are dims 2c * D/8 + n, (2c + 1) * D/8 + n
     float* o0 = r0 - 2 * c + 2 * c * C::kNTiles;
     float* o1 = o0 + 8 * C::kSlabPitch;
 #pragma unroll

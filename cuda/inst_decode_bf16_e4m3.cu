@@ -2,5 +2,5 @@
 #include "cuda/decode_inst_impl.cuh"
 
 namespace pagedattn::cuda_backend {
-template DecodeKernelInfo decode_kernel<__nv_bfloat16, KVCacheDType::kFp8E4M3>(int, CacheLayout, int);
+template DecodeKernelInfo decode_kernel<__nv_bfloat16, KVCacheDType::kFp8E4M3>(int, CacheLayout, int, int);
 }  // namespace pagedattn::cuda_backend

@@ -2,5 +2,5 @@
 #include "cuda/decode_inst_impl.cuh"
 
 namespace pagedattn::cuda_backend {
-template DecodeKernelInfo decode_kernel<__half, KVCacheDType::kAuto>(int, CacheLayout, int);
+template DecodeKernelInfo decode_kernel<__half, KVCacheDType::kAuto>(int, CacheLayout, int, int);
 }  // namespace pagedattn::cuda_backend

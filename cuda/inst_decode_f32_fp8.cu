@@ -2,6 +2,6 @@
 #include "cuda/decode_inst_impl.cuh"
 
 namespace pagedattn::cuda_backend {
-template DecodeKernelInfo decode_kernel<float, KVCacheDType::kFp8E4M3>(int, CacheLayout, int);
-template DecodeKernelInfo decode_kernel<float, KVCacheDType::kFp8E5M2>(int, CacheLayout, int);
+template DecodeKernelInfo decode_kernel<float, KVCacheDType::kFp8E4M3>(int, CacheLayout, int, int);
+template DecodeKernelInfo decode_kernel<float, KVCacheDType::kFp8E5M2>(int, CacheLayout, int, int);
 }  // namespace pagedattn::cuda_backend

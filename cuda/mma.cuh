@@ -44,4 +44,12 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* p
                : "r"(smem_addr(p)));
 }
 
+// The 8x8 16-bit matrix the warp holds as an mma C/A fragment (lane l: row l / 4, columns
+// 2 (l % 4) and 2 (l % 4) + 1), transposed: the same fragment of its transpose.
+__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
+  std::uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 }  // namespace pagedattn::cuda_backend

@@ -168,6 +168,30 @@ def test_decode_fp8_caches(rng, kind, dtype, layout):
                   partition_size=kernel[1], **fp8)  # fmt: skip
 
 
+# fp8 caches with groups of up to 8 query heads per KV head take the transposed kernels (the
+# heads as the mma's N, keys and values its A operand; nhd values with permuted dims), larger
+# groups the untransposed ones: each group size on both sides of 8, every specialised head
+# size, both layouts, a page of 16 and of 64, every variant at once (window with NaN before
+# it, soft cap, sinks, ALiBi), bf16 queries whose heads differ in magnitude by 2^40 (each
+# head's scale into f16 reaches the lanes that hold that head's logits).
+@pytest.mark.parametrize("group", [1, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_fp8_transposed_groups(rng, group, layout):
+    kh = 2
+    for head_size in CUDA_HEAD_SIZES:
+        for block_size in (16, 64):
+            p, fp8 = make_fp8(rng, [1, 17, 80, 333], "fp8_e4m3", dtype=np_dtype("bfloat16"), layout=layout,
+                              num_heads=group * kh, num_kv_heads=kh, head_size=head_size, block_size=block_size,
+                              alibi=True)  # fmt: skip
+            q = p.query.astype(np.float32)
+            q *= (2.0 ** (np.arange(group * kh) % 5 * 10 - 20)).astype(np.float32)[None, :, None]
+            p.query = q.astype(p.query.dtype)
+            assert poison_outside_window(p, 45) > 0
+            for kernel in KERNELS[:2]:
+                check(p, "bfloat16", sliding_window=45, soft_cap=30.0, sinks=sinks_for(rng, group * kh),
+                      kernel=kernel[0], partition_size=kernel[1], **fp8)  # fmt: skip
+
+
 @pytest.mark.parametrize("kernel", ["auto", "partitioned"])
 def test_long_context_window(rng, kernel):
     """A 4096-token window over 32k contexts: NaN in the 28k slots before the window,
