@@ -11,7 +11,10 @@ template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8 = fa
 DecodeKernelInfo mma_kernel_info() {
   using Cfg = MmaDecodeConfig<T, F, HEAD, L, S, N8>;
   DecodeKernelInfo info;
-  info.func = reinterpret_cast<const void*>(&decode_mma_kernel<T, F, HEAD, L, S, N8>);
+  if constexpr (N8)
+    info.func = reinterpret_cast<const void*>(&decode_mma_kernel_n8<T, F, HEAD, L, S>);
+  else
+    info.func = reinterpret_cast<const void*>(&decode_mma_kernel<T, F, HEAD, L, S>);
   info.threads = Cfg::kThreads;
   info.smem = Cfg::kDynBytes;
   info.rows = Cfg::kRows;

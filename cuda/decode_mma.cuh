@@ -233,10 +233,9 @@ __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int
   }
 }
 
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
-__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8>::kThreads,
-                                  MmaDecodeConfig<T, F, HEAD, L, S, N8>::kMinBlocks)
-    decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
+// The kernel's body; decode_mma_kernel below is its entry point.
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8>
+__device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   static_assert(!S || L == CacheLayout::kVLLM, "the small-page kernel serves the vllm layout");
   static_assert(!N8 || has_transposed_decode<F, HEAD, L>(),
                 "the transposed kernel: fp8, specialised head sizes");
@@ -1008,6 +1007,21 @@ __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8>::kThread
                                                                    any_bad);
   PA_TRACE(11);
   PA_TRACE_PRINT("PT", my_chunks);
+}
+
+// Two entry points: the transposed kernels bound to kMinBlocks CTAs per multiprocessor, the
+// others with no such bound (a bound of 1 is not the same to ptxas: it took the bf16 nhd d128
+// kernel from 168 to 192 registers, 3 to 2 CTAs per multiprocessor).
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8>::kThreads)
+    decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
+  decode_mma_body<T, F, HEAD, L, S, N8>(p);
+}
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, true>::kThreads,
+                                  MmaDecodeConfig<T, F, HEAD, L, S, true>::kMinBlocks)
+    decode_mma_kernel_n8(const __grid_constant__ DecodeKernelParams p) {
+  decode_mma_body<T, F, HEAD, L, S, true>(p);
 }
 
 }  // namespace pagedattn::cuda_backend
