@@ -254,6 +254,15 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   const int g = lane >> 2, c = lane & 3;
   const int D = HEAD ? HEAD : p.head_size;
   const int B = p.block_size;
+  // B is a power of two (supported::kCudaBlockSizes): the fp8 nhd kernels take token / B and
+  // token % B as a shift and a mask (a division by a run-time B is ~25 instructions per
+  // chunk; nhd fp8 1-3% faster on an H100). The others keep the division: with the shift the
+  // vllm fp8 kernel spills at its 128 registers and ran 1.5-3% slower, and the 16-bit ones
+  // measured both faster and slower by 3-4% on different shapes.
+  constexpr bool kShiftB = C::kE == 1 && L == CacheLayout::kNHD;
+  const int lgB = __ffs(B) - 1;
+  auto div_b = [&](int t) { return kShiftB ? t >> lgB : t / B; };
+  auto mod_b = [&](int t) { return kShiftB ? t & (B - 1) : t % B; };
 
   // The sequence length (issued by cta_task) and the block ids of the warp's first
   // kStages chunks are loaded together: the ids do not depend on the length, so a CTA
@@ -350,16 +359,23 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // B >= 16), loaded one iteration before use so the load latency stays hidden.
   // With ids_per_token(B) (see decode_common.cuh) a is the id of the lane's token instead.
   const bool per_token = ids_per_token(B);
+  // b is only read for 8 <= B < 16. fp8 kernels leave it 0 otherwise: a copy of a is an
+  // instruction that waits for a's load right after issuing it (the vllm fp8 kernel's largest
+  // stall, 18% of its samples on an H100; without it vllm fp8 2-4% faster). The 16-bit
+  // kernels keep the copy: without it, on an H100, vllm bf16 b8 / b16 x16384 ran 3% faster
+  // but b64 x4096 4% slower, and the decode benchmark stays as it was.
   auto raw_ids = [&](int i, int& a, int& b) {
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
     a = b = 0;
     if (i < my_chunks) {
       if (per_token) {
         const int tok = t0 + (lane & 15);
-        a = b = tok < tok_end ? __ldg(table_row + tok / B) : 0;
+        a = tok < tok_end ? __ldg(table_row + div_b(tok)) : 0;
+        if (C::kE == 2) b = a;
       } else {
-        a = __ldg(table_row + t0 / B);
-        b = (B < 16 && t0 + 8 < tok_end) ? __ldg(table_row + (t0 + 8) / B) : a;
+        a = __ldg(table_row + div_b(t0));
+        if (C::kE == 2) b = a;
+        if (B < 16 && t0 + 8 < tok_end) b = __ldg(table_row + div_b(t0 + 8));
       }
     }
   };
@@ -373,13 +389,13 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     if (per_token) {  // idA: the lane's token's id (-1: past the end or before the window)
       const int tok = t0 + (lane & 15);
       const bool live = tok < tok_end && tok >= wfirst;
-      idA = idB = live ? checked_block_id(p, s, tok / B, rawA) : -1;
+      idA = idB = live ? checked_block_id(p, s, div_b(tok), rawA) : -1;
       bad |= live && idA < 0;
     } else {
       const bool skip_a = B < 16 && t0 + 8 <= wfirst;
-      idA = skip_a ? -1 : checked_block_id(p, s, t0 / B, rawA);
+      idA = skip_a ? -1 : checked_block_id(p, s, div_b(t0), rawA);
       idB = idA;
-      if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, (t0 + 8) / B, rawB) : -1;
+      if (B < 16) idB = t0 + 8 < tok_end ? checked_block_id(p, s, div_b(t0 + 8), rawB) : -1;
       bad |= (idA < 0 && !skip_a) | (B < 16 && t0 + 8 < tok_end && idB < 0);
     }
     // The block id of the chunk's token t; a shuffle with ids_per_token(B): every lane of
@@ -433,7 +449,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       const int id = per_token || t < 8 ? idA : idB;  // per token: idA is token t's own
       const bool ok = tok < tok_end && id >= 0;
       const char* base = kc + static_cast<std::int64_t>(ok ? id : 0) * k_block_bytes +
-                         (static_cast<std::int64_t>(kvh) * nck) * (B * 16) + static_cast<std::int64_t>(tok % B) * 16;
+                         (static_cast<std::int64_t>(kvh) * nck) * (B * 16) +
+                         static_cast<std::int64_t>(mod_b(tok)) * 16;
       for (int j = lane >> 4; j < nck; j += 2)
         cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? base + static_cast<std::int64_t>(j) * B * 16 : kc,
                    ok ? 16 : 0);
@@ -465,7 +482,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           const bool okv = nvalid > 0 && idq >= 0;
           const char* src = vc;
           if (okv)
-            src = vc + idq * v_block_bytes + ((static_cast<std::int64_t>(kvh) * D + d) * B + tk % B) * C::kE;
+            src =
+                vc + idq * v_block_bytes + ((static_cast<std::int64_t>(kvh) * D + d) * B + mod_b(tk)) * C::kE;
           cp_async16(vs + (d * 16 + q * kPt16) * C::kE, src, okv ? nvalid * C::kE : 0);
         }
       }
@@ -482,7 +500,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           const int tok = t0 + t;
           const bool ok = tok < tok_end && id >= 0 && j8 * 8 < row_bytes;
           const std::int64_t blk = ok ? id : 0;
-          const std::int64_t row = (tok % B) * tok_bytes + kvh * head_bytes + j8 * 8;
+          const std::int64_t row = mod_b(tok) * tok_bytes + kvh * head_bytes + j8 * 8;
           cp_async8(ks + k_off<L, C::kKChunks>(j8 >> 1, t) + (j8 & 1) * 8, ok ? kc + blk * k_block_bytes + row : kc,
                     ok ? 8 : 0);
           cp_async8(vs + t * C::kVPitch + j8 * 8, ok ? vc + blk * v_block_bytes + row : vc,
@@ -503,7 +521,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           const int t = pi / nck, j = pi % nck;
           const int tok = t0 + t;
           const bool ok = tok < tok_end && (t < 8 ? idA : idB) >= 0;
-          const std::int64_t row = (tok % B) * tok_bytes + j * 16;
+          const std::int64_t row = mod_b(tok) * tok_bytes + j * 16;
           const int nb = ok ? min(16, row_bytes - j * 16) : 0;
           cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kh_base + (t < 8 ? kA : kB) + row : kc, nb);
           cp_async16(vs + v_off<C>(t, j), ok ? vh_base + (t < 8 ? vA : vB) + row : vc, nb);
@@ -518,7 +536,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
         const int tok = t0 + t;
         const bool ok = tok < tok_end && id >= 0;
         const std::int64_t blk = ok ? id : 0;
-        const std::int64_t row = (tok % B) * tok_bytes + j * 16;
+        const std::int64_t row = mod_b(tok) * tok_bytes + j * 16;
         const int nb = ok ? min(16, row_bytes - j * 16) : 0;
         cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? kh_base + blk * k_block_bytes + row : kc, nb);
         cp_async16(vs + v_off<C>(t, j), ok ? vh_base + blk * v_block_bytes + row : vc, nb);
