@@ -42,10 +42,10 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size, int
         // kernel copies values in pieces of 8 or 16 tokens, so it takes pages of 8 and more
         // only (pages of 1 run the nhd kernels: decode_launch.cu's vllm_as_nhd).
         const bool small = block_size == 2 || block_size == 4 || (block_size == 8 && F == KVCacheDType::kAuto);
+        // fp8 pages of 2 and 4 keep the untransposed small-page kernel for every group: its
+        // transposed twins would cost 1 MB of the library for pages few engines use.
         if constexpr (has_transposed_decode<F, HEAD, L>()) {
-          if (group <= 8)
-            return small ? mma_kernel_info<T, F, HEAD, L, true, true>()
-                         : mma_kernel_info<T, F, HEAD, L, false, true>();
+          if (group <= 8 && !small) return mma_kernel_info<T, F, HEAD, L, false, true>();
         }
         info = small ? mma_kernel_info<T, F, HEAD, L, true>() : mma_kernel_info<T, F, HEAD, L, false>();
       } else {

@@ -237,8 +237,8 @@ __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int
 template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8>
 __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   static_assert(!S || L == CacheLayout::kVLLM, "the small-page kernel serves the vllm layout");
-  static_assert(!N8 || has_transposed_decode<F, HEAD, L>(),
-                "the transposed kernel: fp8, specialised head sizes");
+  static_assert(!N8 || (has_transposed_decode<F, HEAD, L>() && !S),
+                "the transposed kernel: fp8, specialised head sizes, pages of 8 and more");
   using C = MmaDecodeConfig<T, F, HEAD, L, S, N8>;
   extern __shared__ __align__(128) unsigned char smem[];
   float* red_m = reinterpret_cast<float*>(smem + C::kSmemBytes);  // [kWarps][kRows]
@@ -673,33 +673,14 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       // (vllm) 16m + g, 16m + 8 + g; (nhd, permuted) g D/8 + m, g D/8 + D/16 + m. A thread's
       // k-slots {2c, 2c+1, 2c+8, 2c+9}: tokens 4c .. 4c+3 (vllm), 2c, 2c+1, 2c+8, 2c+9 (nhd).
       if constexpr (L == CacheLayout::kVLLM) {
-        // word of dim d: the 4 value bytes of tokens 4c .. 4c+3 (blocks of kB tokens)
-        auto pv_blocks = [&](auto block_size) {
-          constexpr int kB = decltype(block_size)::value;
-          const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB;
-          const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB;
-          auto word = [&](int d) -> std::uint32_t {
-            if constexpr (kB >= 4)
-              return *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
-            else
-              return *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
-                     (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
-          };
+        // the [D][16] stage: word of dim d = the 4 value bytes of tokens 4c .. 4c+3
+        auto word = [&](int d) { return *reinterpret_cast<const std::uint32_t*>(vs + d * 16 + 4 * c); };
 #pragma unroll
-          for (int m = 0; m < kAcc; ++m) {
-            const std::uint32_t x0 = word(16 * m + g), x1 = word(16 * m + 8 + g);
-            const std::uint32_t a[4] = {fp8x2_to<M, F>(x0), fp8x2_to<M, F>(x1), fp8x2_to<M, F>(x0 >> 16),
-                                        fp8x2_to<M, F>(x1 >> 16)};
-            mma16816<M>(acc[m], a, pb0, pb1);
-          }
-        };
-        if constexpr (S) {
-          if (B == 2)
-            pv_blocks(std::integral_constant<int, 2>{});
-          else
-            pv_blocks(std::integral_constant<int, 4>{});
-        } else {
-          pv_blocks(std::integral_constant<int, 16>{});
+        for (int m = 0; m < kAcc; ++m) {
+          const std::uint32_t x0 = word(16 * m + g), x1 = word(16 * m + 8 + g);
+          const std::uint32_t a[4] = {fp8x2_to<M, F>(x0), fp8x2_to<M, F>(x1), fp8x2_to<M, F>(x0 >> 16),
+                                      fp8x2_to<M, F>(x1 >> 16)};
+          mma16816<M>(acc[m], a, pb0, pb1);
         }
       } else {
         constexpr int kRun = C::kNTiles;  // D/8 value bytes per thread per token row
