@@ -233,6 +233,15 @@ __device__ __forceinline__ void zero_values(unsigned char* vs, int n, int D, int
   }
 }
 
+// Moves a row's running maximum (base 2) to cover mx, the chunk's maximum over the row's
+// lanes; returns the factor that rescales what was summed against the old one.
+__device__ __forceinline__ float advance_max(float& m_run, float mx) {
+  const float m_new = fmaxf(m_run, mx);
+  const float corr = exp2f(m_run - m_new);
+  m_run = m_new;
+  return corr;
+}
+
 // The kernel's body; decode_mma_kernel below is its entry point.
 template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8>
 __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
@@ -644,9 +653,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        corr[h] = exp2f(m_run[h] - m_new);
-        m_run[h] = m_new;
+        corr[h] = advance_max(m_run[h], mx[h]);
       }
       float ps[2] = {0.f, 0.f};
 #pragma unroll
@@ -788,9 +795,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     for (int half = 0; half < 2; ++half) {
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-      const float m_new = fmaxf(m_run[half], mx[half]);
-      corr[half] = exp2f(m_run[half] - m_new);
-      m_run[half] = m_new;
+      corr[half] = advance_max(m_run[half], mx[half]);
     }
     float ps[2] = {0.f, 0.f};
 #pragma unroll
