@@ -54,7 +54,7 @@ namespace pagedattn::cuda_backend {
 // copy_small_page_values), an instantiation of its own so that the page-16 kernel's code is
 // untouched by it (inlined into it, the small-page paths cost page 16 1.5-3% on an H200).
 // N8: the transposed products of fp8 caches for groups of up to 8 query heads (the heads
-// are the mma N, 8, instead of its M, 16; see kTransposed below).
+// are the mma N, 8, instead of its M, 16; the file's header comment).
 template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
 struct MmaDecodeConfig {
   static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
@@ -99,7 +99,7 @@ struct MmaDecodeConfig {
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
   // sizes 64, 96 and 128 fit 4 (128 registers) without spilling: a third more warps to hide
-  // the fp8 loop's latency. The others spill at 128 (72-262 bytes) and keep 3.
+  // the fp8 loop's latency. The others spill at 128 (72-262 bytes) and keep no bound.
   static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 4 : 1;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
