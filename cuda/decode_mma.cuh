@@ -716,205 +716,208 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       constexpr bool kSplitK = C::kE == 1;
       float sc[2][4], sc2[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-      sc2[nt][0] = sc2[nt][1] = sc2[nt][2] = sc2[nt][3] = 0.f;
-      const int trow = slot_token<L>(nt, g);
+      for (int nt = 0; nt < 2; ++nt) {
+        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+        sc2[nt][0] = sc2[nt][1] = sc2[nt][2] = sc2[nt][3] = 0.f;
+        const int trow = slot_token<L>(nt, g);
 #pragma unroll
-      for (int q = 0; q < C::kGroups; ++q) {
-        if (HEAD == 0 && q * 4 * C::kV16 >= D) break;
-        const int j = 4 * q + c;
-        uint4 kv = make_uint4(0u, 0u, 0u, 0u);
-        if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, trow));
-        const std::uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
+        for (int q = 0; q < C::kGroups; ++q) {
+          if (HEAD == 0 && q * 4 * C::kV16 >= D) break;
+          const int j = 4 * q + c;
+          uint4 kv = make_uint4(0u, 0u, 0u, 0u);
+          if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, trow));
+          const std::uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
-        for (int sub = 0; sub < C::kSPL; ++sub) {
-          std::uint32_t b0, b1;
-          if constexpr (F == KVCacheDType::kAuto) {
-            b0 = w[2 * sub];
-            b1 = w[2 * sub + 1];
-          } else {
-            b0 = fp8x2_to<M, F>(w[sub]);
-            b1 = fp8x2_to<M, F>(w[sub] >> 16);
+          for (int sub = 0; sub < C::kSPL; ++sub) {
+            std::uint32_t b0, b1;
+            if constexpr (F == KVCacheDType::kAuto) {
+              b0 = w[2 * sub];
+              b1 = w[2 * sub + 1];
+            } else {
+              b0 = fp8x2_to<M, F>(w[sub]);
+              b1 = fp8x2_to<M, F>(w[sub] >> 16);
+            }
+            mma16816<M>(kSplitK && (sub & 1) ? sc2[nt] : sc[nt], qa[q * C::kSPL + sub], b0, b1);
           }
-          mma16816<M>(kSplitK && (sub & 1) ? sc2[nt] : sc[nt], qa[q * C::kSPL + sub], b0, b1);
+        }
+        if constexpr (kSplitK) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[nt][e] += sc2[nt][e];
         }
       }
-      if constexpr (kSplitK) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] += sc2[nt][e];
-      }
-    }
 
-    // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
-    // its own, so the plain call runs the same instructions as without the option
-    if (p.soft_cap_log2 > 0.f) {
-      // Rows g + 8 (e >= 2) hold query heads only in a tile of more than 8; in the others
-      // (GQA groups up to 8) they are zero rows, whose logits (0) the cap would leave at 0:
-      // they skip it (a uniform branch), which halves the cap's cost there.
-      with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
-        constexpr bool kFast = decltype(fast)::value;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            sc[nt][e] = soft_cap_logit<kFast>(sc[nt][e] * qk_row[0], p.soft_cap_log2, p.inv_soft_cap_log2);
-        if (rows > 8) {
+      // the scores as base-2 logits, soft-capped when on: a uniform branch around a loop of
+      // its own, so the plain call runs the same instructions as without the option
+      if (p.soft_cap_log2 > 0.f) {
+        // Rows g + 8 (e >= 2) hold query heads only in a tile of more than 8; in the others
+        // (GQA groups up to 8) they are zero rows, whose logits (0) the cap would leave at 0:
+        // they skip it (a uniform branch), which halves the cap's cost there.
+        with_soft_cap_form(p.soft_cap_log2, [&](auto fast) {
+          constexpr bool kFast = decltype(fast)::value;
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 2; e < 4; ++e)
-              sc[nt][e] = soft_cap_logit<kFast>(sc[nt][e] * qk_row[1], p.soft_cap_log2, p.inv_soft_cap_log2);
-        } else {
+            for (int e = 0; e < 2; ++e)
+              sc[nt][e] = soft_cap_logit<kFast>(sc[nt][e] * qk_row[0], p.soft_cap_log2, p.inv_soft_cap_log2);
+          if (rows > 8) {
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) sc[nt][2] = sc[nt][3] = 0.f;
-        }
-      });
-    } else {
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+              for (int e = 2; e < 4; ++e)
+                sc[nt][e] =
+                    soft_cap_logit<kFast>(sc[nt][e] * qk_row[1], p.soft_cap_log2, p.inv_soft_cap_log2);
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) sc[nt][2] = sc[nt][3] = 0.f;
+          }
+        });
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[nt][e] *= qk_row[e >> 1];
+      }
+
+      // online softmax (base 2), masking tokens outside [wfirst, tok_end)
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] *= qk_row[e >> 1];
-    }
+        for (int e = 0; e < 4; ++e) {
+          const int tok = t0 + slot_token<L>(nt, 2 * c + (e & 1));
+          const int half = e >> 1;
+          float v = sc[nt][e] + slope[half] * static_cast<float>(tok - len + 1);
+          if (static_cast<unsigned>(tok - wfirst) >= visible) v = -INFINITY;
+          sc[nt][e] = v;
+          mx[half] = fmaxf(mx[half], v);
+        }
+      float corr[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        corr[half] = advance_max(m_run[half], mx[half]);
+      }
+      float ps[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pv = exp2f(sc[nt][e] - m_run[e >> 1]);
+          sc[nt][e] = pv;
+          ps[e >> 1] += pv;
+        }
+      l_run[0] = l_run[0] * corr[0] + ps[0];
+      l_run[1] = l_run[1] * corr[1] + ps[1];
+      const std::uint32_t pa[4] = {pack2<M>(sc[0][0], sc[0][1]), pack2<M>(sc[0][2], sc[0][3]),
+                                   pack2<M>(sc[1][0], sc[1][1]), pack2<M>(sc[1][2], sc[1][3])};
 
-    // online softmax (base 2), masking tokens outside [wfirst, tok_end)
-    float mx[2] = {-INFINITY, -INFINITY};
+      // O += P V. fp8 caches: once the running maxima settle, every corr is 1 and the
+      // rescale is skipped (a warp-uniform branch; multiplying by 1 would change nothing);
+      // 16-bit caches, which stream at the copy rate, keep the straight-line rescale.
+      if (C::kE == 2 || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = t0 + slot_token<L>(nt, 2 * c + (e & 1));
-        const int half = e >> 1;
-        float v = sc[nt][e] + slope[half] * static_cast<float>(tok - len + 1);
-        if (static_cast<unsigned>(tok - wfirst) >= visible) v = -INFINITY;
-        sc[nt][e] = v;
-        mx[half] = fmaxf(mx[half], v);
+        for (int n = 0; n < C::kNTiles; ++n) {
+          acc[n][0] *= corr[0];
+          acc[n][1] *= corr[0];
+          acc[n][2] *= corr[1];
+          acc[n][3] *= corr[1];
+        }
       }
-    float corr[2];
+      if constexpr (L == CacheLayout::kVLLM) {
+        // The stage as [16 / kB][D][kB] (S: kB = B, blocks small_cs apart; else kB = 16, the
+        // [D][16] stage): tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of dim d lie in blocks
+        // (4c + 2h) / kB, at token (4c + 2h) % kB of each
+        auto pv_blocks = [&](auto block_size) {
+          constexpr int kB = decltype(block_size)::value;
+          const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB * C::kE;
+          const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB * C::kE;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-      corr[half] = advance_max(m_run[half], mx[half]);
-    }
-    float ps[2] = {0.f, 0.f};
+          for (int n = 0; n < C::kNTiles; ++n) {
+            if (HEAD == 0 && n * 8 >= D) break;
+            const int d = n * 8 + g;
+            std::uint32_t b0, b1;
+            if constexpr (F == KVCacheDType::kAuto) {
+              if constexpr (kB >= 4) {  // the 4 tokens adjacent in one block
+                const uint2 v = *reinterpret_cast<const uint2*>(v0 + d * (kB * 2));
+                b0 = v.x;
+                b1 = v.y;
+              } else {
+                b0 = *reinterpret_cast<const std::uint32_t*>(v0 + d * 4);
+                b1 = *reinterpret_cast<const std::uint32_t*>(v1 + d * 4);
+              }
+            } else {
+              std::uint32_t v;
+              if constexpr (kB >= 4)
+                v = *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
+              else
+                v = *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
+                    (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
+              b0 = fp8x2_to<M, F>(v);
+              b1 = fp8x2_to<M, F>(v >> 16);
+            }
+            mma16816<M>(acc[n], pa, b0, b1);
+          }
+        };
+        if constexpr (S) {
+          if (B == 2)
+            pv_blocks(std::integral_constant<int, 2>{});
+          else if (B == 4)
+            pv_blocks(std::integral_constant<int, 4>{});
+          else if constexpr (C::kE == 2)  // fp8 pages of 8 keep the other kernel
+            pv_blocks(std::integral_constant<int, 8>{});
+        } else {
+          pv_blocks(std::integral_constant<int, 16>{});  // [D][16]: one block of 16 as one run
+        }
+      } else if constexpr (F == KVCacheDType::kAuto) {
+        const int mi = lane >> 3, r = lane & 7;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+        for (int n = 0; n < C::kNTiles; n += 2) {
+          if (HEAD == 0 && n * 8 >= D) break;
+          if (n + 1 < C::kNTiles && (HEAD != 0 || (n + 1) * 8 < D)) {
+            std::uint32_t b[4];
+            ldmatrix_x4_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n + (mi >> 1)));
+            mma16816<M>(acc[n], pa, b[0], b[1]);
+            mma16816<M>(acc[n + 1], pa, b[2], b[3]);
+          } else {
+            std::uint32_t b[2];
+            ldmatrix_x2_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n));
+            mma16816<M>(acc[n], pa, b[0], b[1]);
+          }
+        }
+      } else if constexpr (C::kVPerm) {
+        // nhd fp8, permuted dims: the thread's D/8 value bytes of tokens 2c, 2c+1, 2c+8,
+        // 2c+9 (dims g * D/8 ..), then byte pairs of two tokens per n-tile by byte permutes
+        constexpr int kRun = C::kNTiles;  // bytes per thread per token row
+        std::uint32_t w[4][kRun / 4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = exp2f(sc[nt][e] - m_run[e >> 1]);
-        sc[nt][e] = pv;
-        ps[e >> 1] += pv;
-      }
-    l_run[0] = l_run[0] * corr[0] + ps[0];
-    l_run[1] = l_run[1] * corr[1] + ps[1];
-    const std::uint32_t pa[4] = {pack2<M>(sc[0][0], sc[0][1]), pack2<M>(sc[0][2], sc[0][3]),
-                                 pack2<M>(sc[1][0], sc[1][1]), pack2<M>(sc[1][2], sc[1][3])};
-
-    // O += P V. fp8 caches: once the running maxima settle, every corr is 1 and the
-    // rescale is skipped (a warp-uniform branch; multiplying by 1 would change nothing);
-    // 16-bit caches, which stream at the copy rate, keep the straight-line rescale.
-    if (C::kE == 2 || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+        for (int r = 0; r < 4; ++r) {
+          const int tok = 2 * c + (r & 1) + 8 * (r >> 1);
+          load_words<kRun>(vs + tok * C::kVPitch + g * kRun, w[r]);
+        }
 #pragma unroll
-      for (int n = 0; n < C::kNTiles; ++n) {
-        acc[n][0] *= corr[0];
-        acc[n][1] *= corr[0];
-        acc[n][2] *= corr[1];
-        acc[n][3] *= corr[1];
-      }
-    }
-    if constexpr (L == CacheLayout::kVLLM) {
-      // The stage as [16 / kB][D][kB] (S: kB = B, blocks small_cs apart; else kB = 16, the
-      // [D][16] stage): tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of dim d lie in blocks
-      // (4c + 2h) / kB, at token (4c + 2h) % kB of each
-      auto pv_blocks = [&](auto block_size) {
-        constexpr int kB = decltype(block_size)::value;
-        const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB * C::kE;
-        const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB * C::kE;
+        for (int k = 0; k < kRun / 4; ++k) {
+          // [t0 byte b, t1 byte b, t0 byte b+1, t1 byte b+1] for b = 0 and b = 2
+          const std::uint32_t lo01 = __byte_perm(w[0][k], w[1][k], 0x5140),
+                              lo23 = __byte_perm(w[0][k], w[1][k], 0x7362);
+          const std::uint32_t hi01 = __byte_perm(w[2][k], w[3][k], 0x5140),
+                              hi23 = __byte_perm(w[2][k], w[3][k], 0x7362);
+          mma16816<M>(acc[4 * k], pa, fp8x2_to<M, F>(lo01), fp8x2_to<M, F>(hi01));
+          mma16816<M>(acc[4 * k + 1], pa, fp8x2_to<M, F>(lo01 >> 16), fp8x2_to<M, F>(hi01 >> 16));
+          mma16816<M>(acc[4 * k + 2], pa, fp8x2_to<M, F>(lo23), fp8x2_to<M, F>(hi23));
+          mma16816<M>(acc[4 * k + 3], pa, fp8x2_to<M, F>(lo23 >> 16), fp8x2_to<M, F>(hi23 >> 16));
+        }
+      } else {  // nhd fp8, other head sizes: byte loads of tokens 2c, 2c+1, 2c+8, 2c+9 at dim 8n + g
+        static_assert(!C::kVSwz, "fp8 nhd values are staged and read with the padded row pitch, unswizzled");
 #pragma unroll
         for (int n = 0; n < C::kNTiles; ++n) {
           if (HEAD == 0 && n * 8 >= D) break;
-          const int d = n * 8 + g;
-          std::uint32_t b0, b1;
-          if constexpr (F == KVCacheDType::kAuto) {
-            if constexpr (kB >= 4) {  // the 4 tokens adjacent in one block
-              const uint2 v = *reinterpret_cast<const uint2*>(v0 + d * (kB * 2));
-              b0 = v.x;
-              b1 = v.y;
-            } else {
-              b0 = *reinterpret_cast<const std::uint32_t*>(v0 + d * 4);
-              b1 = *reinterpret_cast<const std::uint32_t*>(v1 + d * 4);
-            }
-          } else {
-            std::uint32_t v;
-            if constexpr (kB >= 4)
-              v = *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
-            else
-              v = *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
-                  (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
-            b0 = fp8x2_to<M, F>(v);
-            b1 = fp8x2_to<M, F>(v >> 16);
-          }
-          mma16816<M>(acc[n], pa, b0, b1);
-        }
-      };
-      if constexpr (S) {
-        if (B == 2)
-          pv_blocks(std::integral_constant<int, 2>{});
-        else if (B == 4)
-          pv_blocks(std::integral_constant<int, 4>{});
-        else if constexpr (C::kE == 2)  // fp8 pages of 8 keep the other kernel
-          pv_blocks(std::integral_constant<int, 8>{});
-      } else {
-        pv_blocks(std::integral_constant<int, 16>{});  // [D][16]: one block of 16 as one run
-      }
-    } else if constexpr (F == KVCacheDType::kAuto) {
-      const int mi = lane >> 3, r = lane & 7;
-#pragma unroll
-      for (int n = 0; n < C::kNTiles; n += 2) {
-        if (HEAD == 0 && n * 8 >= D) break;
-        if (n + 1 < C::kNTiles && (HEAD != 0 || (n + 1) * 8 < D)) {
-          std::uint32_t b[4];
-          ldmatrix_x4_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n + (mi >> 1)));
-          mma16816<M>(acc[n], pa, b[0], b[1]);
-          mma16816<M>(acc[n + 1], pa, b[2], b[3]);
-        } else {
-          std::uint32_t b[2];
-          ldmatrix_x2_trans(b, vs + v_off<C>((mi & 1) * 8 + r, n));
-          mma16816<M>(acc[n], pa, b[0], b[1]);
+          const unsigned char* col = vs + n * 8 + g;
+          const std::uint32_t lo = col[(2 * c) * C::kVPitch] | (col[(2 * c + 1) * C::kVPitch] << 8);
+          const std::uint32_t hi = col[(2 * c + 8) * C::kVPitch] | (col[(2 * c + 9) * C::kVPitch] << 8);
+          mma16816<M>(acc[n], pa, fp8x2_to<M, F>(lo), fp8x2_to<M, F>(hi));
         }
       }
-    } else if constexpr (C::kVPerm) {
-      // nhd fp8, permuted dims: the thread's D/8 value bytes of tokens 2c, 2c+1, 2c+8,
-      // 2c+9 (dims g * D/8 ..), then byte pairs of two tokens per n-tile by byte permutes
-      constexpr int kRun = C::kNTiles;  // bytes per thread per token row
-      std::uint32_t w[4][kRun / 4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int tok = 2 * c + (r & 1) + 8 * (r >> 1);
-        load_words<kRun>(vs + tok * C::kVPitch + g * kRun, w[r]);
-      }
-#pragma unroll
-      for (int k = 0; k < kRun / 4; ++k) {
-        // [t0 byte b, t1 byte b, t0 byte b+1, t1 byte b+1] for b = 0 and b = 2
-        const std::uint32_t lo01 = __byte_perm(w[0][k], w[1][k], 0x5140), lo23 = __byte_perm(w[0][k], w[1][k], 0x7362);
-        const std::uint32_t hi01 = __byte_perm(w[2][k], w[3][k], 0x5140), hi23 = __byte_perm(w[2][k], w[3][k], 0x7362);
-        mma16816<M>(acc[4 * k], pa, fp8x2_to<M, F>(lo01), fp8x2_to<M, F>(hi01));
-        mma16816<M>(acc[4 * k + 1], pa, fp8x2_to<M, F>(lo01 >> 16), fp8x2_to<M, F>(hi01 >> 16));
-        mma16816<M>(acc[4 * k + 2], pa, fp8x2_to<M, F>(lo23), fp8x2_to<M, F>(hi23));
-        mma16816<M>(acc[4 * k + 3], pa, fp8x2_to<M, F>(lo23 >> 16), fp8x2_to<M, F>(hi23 >> 16));
-      }
-    } else {  // nhd fp8, other head sizes: byte loads of tokens 2c, 2c+1, 2c+8, 2c+9 at dim 8n + g
-      static_assert(!C::kVSwz, "fp8 nhd values are staged and read with the padded row pitch, unswizzled");
-#pragma unroll
-      for (int n = 0; n < C::kNTiles; ++n) {
-        if (HEAD == 0 && n * 8 >= D) break;
-        const unsigned char* col = vs + n * 8 + g;
-        const std::uint32_t lo = col[(2 * c) * C::kVPitch] | (col[(2 * c + 1) * C::kVPitch] << 8);
-        const std::uint32_t hi = col[(2 * c + 8) * C::kVPitch] | (col[(2 * c + 9) * C::kVPitch] << 8);
-        mma16816<M>(acc[n], pa, fp8x2_to<M, F>(lo), fp8x2_to<M, F>(hi));
-      }
-    }
     }  // N8
     __syncwarp();
   }
