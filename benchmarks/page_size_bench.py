@@ -10,6 +10,7 @@ relative to page size 16 of the same shape and layout (1.00 = as fast; the targe
 <= 1.10 from 16 up and <= 1.43, i.e. 70% of the speed, at page size 1).
 
     python benchmarks/page_size_bench.py [--json out.json] [--layouts nhd,hnd] [--pages 1,16,64,256]
+                                         [--only decode]
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--layouts", default="nhd,hnd,vllm")
     ap.add_argument("--pages", default="1,16,64,256")
+    ap.add_argument("--only", default="", help="the shapes whose name contains this (e.g. decode)")
     args = ap.parse_args()
     pages = [int(p) for p in args.pages.split(",")]
     layouts = args.layouts.split(",")
     g = torch.Generator(device=DEV).manual_seed(0)
     rows = []
-    for name, seqs in SHAPES:
+    shapes = [(name, seqs) for name, seqs in SHAPES if args.only in name]
+    for name, seqs in shapes:
         for layout in layouts:
             base = None
             for page in pages:
@@ -101,7 +104,7 @@ def main() -> int:
                     r["vs_page16"] = r["us_per_byte"] / base
     print(f"| shape | layout | {' | '.join(f'page {p} (us, x16)' for p in pages)} |")
     print(f"|---|---|{'---|' * len(pages)}")
-    for name, _ in SHAPES:
+    for name, _ in shapes:
         for layout in layouts:
             cells = []
             for page in pages:

@@ -158,6 +158,39 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// mbarriers in shared memory (a's shared-space address, smem_addr): the Hopper varlen kernel's
+// stage ring and the decode kernel of wide value rows (decode_mma.cuh) hand stages between
+// threads through them.
+__device__ __forceinline__ void mbar_init(std::uint32_t a, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint32_t a) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
+}
+// Arrives once this thread's earlier cp.async copies have landed (the thread goes on).
+__device__ __forceinline__ void mbar_arrive_cp_async(std::uint32_t a) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");
+}
+// Waits until the phase of the given parity has completed (try_wait suspends the thread in
+// hardware on sm_90; sm_80 polls with test_wait).
+__device__ __forceinline__ void mbar_wait(std::uint32_t a, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(a),
+      "r"(parity)
+      : "memory");
+#else
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(a),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------
 // Device: warp helpers
 // ---------------------------------------------------------------------------------

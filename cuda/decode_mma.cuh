@@ -55,7 +55,14 @@ namespace pagedattn::cuda_backend {
 // untouched by it (inlined into it, the small-page paths cost page 16 1.5-3% on an H200).
 // N8: the transposed products of fp8 caches for groups of up to 8 query heads (the heads
 // are the mma N, 8, instead of its M, 16; the file's header comment).
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
+// W: wide value rows, the kernel of vllm pages of 64 and more for 16-bit caches. A warp's
+// 16-token chunk is 32 bytes of each of the block's dim rows, which lie B * 2 bytes apart:
+// from page 64 on, every 32 bytes was an L2 request of its own (2.5x the requests of page 16
+// and 1.2x its time on an H200). Here the 4 warps' chunks of a 64-token group share one V
+// stage [D][64] that each warp fills with a quarter of the dim rows, whole 128-byte rows (one
+// request each); mbarriers hand the stages between the warps (full: every thread's copies
+// landed; empty: every thread done reading). Keys stay in each warp's own ring.
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false, bool W = false>
 struct MmaDecodeConfig {
   static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
@@ -87,6 +94,10 @@ struct MmaDecodeConfig {
   static constexpr int kVSmallPad = S ? 512 : 0;
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE + kVSmallPad : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
+  // A warp's ring stage: its K and V (W: its K only; the V stages [D][64] after the rings)
+  static constexpr int kRingStage = W ? kKBytes : kStageBytes;
+  static constexpr int kGroupTok = kTok * PAGEDATTN_MMA_WARPS;  // W: tokens per group (64)
+  static constexpr int kVWideRow = kGroupTok * kE;              // W: bytes per V stage row (128)
   // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model,
   // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
   // stages hold half the bytes, 13); nhd copies token rows of D elements (13: ~17 alone on an
@@ -112,7 +123,8 @@ struct MmaDecodeConfig {
   // shared memory, so the ring starts at offset 0 of the CTA's shared memory. (A ring 16
   // bytes off a 128-byte boundary streamed 6-9% slower on an H100; see PERF_NOTES.md.)
   static constexpr int kRedFloats = kWarps * kRows;
-  static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4;
+  static constexpr int kBarBytes = W ? 2 * kStages * 8 : 0;  // W: full[kStages], empty[kStages]
+  static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4 + kBarBytes;
 };
 
 // Whether a kernel has a transposed (N8) instantiation: fp8 caches of a specialised head
@@ -243,12 +255,14 @@ __device__ __forceinline__ float advance_max(float& m_run, float mx) {
 }
 
 // The kernel's body; decode_mma_kernel below is its entry point.
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8>
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S, bool N8, bool W>
 __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   static_assert(!S || L == CacheLayout::kVLLM, "the small-page kernel serves the vllm layout");
   static_assert(!N8 || (has_transposed_decode<F, HEAD, L>() && !S),
                 "the transposed kernel: fp8, specialised head sizes, pages of 8 and more");
-  using C = MmaDecodeConfig<T, F, HEAD, L, S, N8>;
+  static_assert(!W || (L == CacheLayout::kVLLM && F == KVCacheDType::kAuto && HEAD != 0 && !S && !N8),
+                "the wide-row kernel: vllm pages of 64 and more, 16-bit caches, specialised head sizes");
+  using C = MmaDecodeConfig<T, F, HEAD, L, S, N8, W>;
   extern __shared__ __align__(128) unsigned char smem[];
   float* red_m = reinterpret_cast<float*>(smem + C::kSmemBytes);  // [kWarps][kRows]
   float* red_l = red_m + C::kRedFloats;
@@ -268,7 +282,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // chunk; nhd fp8 1-3% faster on an H100). The others keep the division: with the shift the
   // vllm fp8 kernel spills at its 128 registers and ran 1.5-3% slower, and the 16-bit ones
   // measured both faster and slower by 3-4% on different shapes.
-  constexpr bool kShiftB = C::kE == 1 && L == CacheLayout::kNHD;
+  constexpr bool kShiftB = (C::kE == 1 && L == CacheLayout::kNHD) || W;
   const int lgB = __ffs(B) - 1;
   auto div_b = [&](int t) { return kShiftB ? t >> lgB : t / B; };
   auto mod_b = [&](int t) { return kShiftB ? t & (B - 1) : t % B; };
@@ -276,17 +290,23 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // The sequence length (issued by cta_task) and the block ids of the warp's first
   // kStages chunks are loaded together: the ids do not depend on the length, so a CTA
   // starts streaming after one memory latency instead of two.
+  // W: a lane's value pieces (piece lane % 8 of a group's dim rows: tokens 8 (lane % 8) ..)
+  // belong to chunk (lane % 8) / 2 of the group: that chunk's block id.
   const std::int32_t* table_row = task.table_row;
+  [[maybe_unused]] const int wq = W ? (lane & 7) >> 1 : warp;  // the chunk of a group whose id the lane holds
   int first_a[C::kStages], first_b[C::kStages];
 #pragma unroll
   for (int i = 0; i < C::kStages; ++i)
-    early_block_ids(p, task, tok_begin + (warp + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
+    early_block_ids(p, task, tok_begin + (wq + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
   const int len = cta_seq_len<T>(p, task);
   if (len < 0) return;
   PA_TRACE(1);
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
   const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
+  // W: every warp runs every group (it copies a quarter of each group's values), its own
+  // chunk of the last group may be missing
+  const int my_iters = W ? (nchunks + C::kWarps - 1) / C::kWarps : my_chunks;
   const int nck = (D * C::kE + 15) / 16;  // 16-byte chunks per K row actually present
   const int row_bytes = D * C::kE;
   // keys [wfirst, tok_end) are visible: one unsigned compare masks both ends
@@ -353,7 +373,10 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     slope[half] = (p.alibi_slopes && r < rows) ? p.alibi_slopes[h0 + r] * kLog2e : 0.f;
   }
 
-  unsigned char* my_ring = smem + warp * C::kStages * C::kStageBytes;
+  unsigned char* my_ring = smem + warp * C::kStages * C::kRingStage;
+  [[maybe_unused]] unsigned char* wide_v = smem + C::kWarps * C::kStages * C::kKBytes;  // W: V stages [D][64]
+  [[maybe_unused]] const std::uint32_t bar_full = smem_addr(red_l + C::kRedFloats);     // W: full[s] at + 8 s
+  [[maybe_unused]] const std::uint32_t bar_empty = bar_full + 8 * C::kStages;
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   // Byte strides of the caches: between blocks, and (nhd / hnd) between a block's token
@@ -374,8 +397,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // kernels keep the copy: without it, on an H100, vllm bf16 b8 / b16 x16384 ran 3% faster
   // but b64 x4096 4% slower, and the decode benchmark stays as it was.
   auto raw_ids = [&](int i, int& a, int& b) {
-    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    const int t0 = tok_begin + (wq + i * C::kWarps) * C::kTok;
     a = b = 0;
+    if constexpr (W) {
+      if (i < my_iters && t0 < tok_end) a = __ldg(table_row + div_b(t0));
+      return;
+    }
     if (i < my_chunks) {
       if (per_token) {
         const int tok = t0 + (lane & 15);
@@ -553,6 +580,46 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     }
   };
 
+  // ---- W: issue the copies of group i: the group's values (this warp's quarter of the dim
+  // rows, 128 bytes each) into the shared V stage, this warp's chunk's keys into its ring.
+  // rawA: the raw block id of the lane's value chunk (wq). A V row's 16-byte pieces are
+  // XOR-swizzled by the row (piece j at j ^ (d & 7)), so that the P V reads of a warp's 16
+  // columns (8 rows, 4 threads each) fall on different banks; a row stays one 128-byte run.
+  [[maybe_unused]] auto load_group = [&](int i, int rawA) {
+    const int tg = tok_begin + i * C::kGroupTok;
+    const int tq = tg + wq * C::kTok;  // the lane's value chunk
+    const int idq = tq < tok_end ? checked_block_id(p, s, div_b(tq), rawA) : -1;
+    bad |= tq < tok_end && idq < 0;
+    const int j = lane & 7;  // the lane's piece of every row: tokens tg + 8j ..
+    const int tj = tg + j * 8;
+    const int nvalid = idq >= 0 ? min(8, max(0, tok_end - tj)) : 0;
+    const int d0 = warp * (D / C::kWarps) + (lane >> 3);  // rows d0 + 4k
+    const char* vsrc = vc + static_cast<std::int64_t>(idq >= 0 ? idq : 0) * v_block_bytes +
+                       ((static_cast<std::int64_t>(kvh) * D + d0) * B + mod_b(tj)) * C::kE;
+    unsigned char* vst = wide_v + (i % C::kStages) * (C::kHMax * C::kVWideRow);
+#pragma unroll
+    for (int k = 0; k < HEAD / 16; ++k) {  // D / 4 rows of 8 pieces over 32 lanes
+      const int d = d0 + 4 * k;
+      cp_async16(vst + d * C::kVWideRow + ((j ^ (d & 7)) << 4),
+                 nvalid > 0 ? vsrc + static_cast<std::int64_t>(4 * k) * B * C::kE : vc, nvalid * C::kE);
+    }
+    // the warp's own chunk's keys: its block id is held by lane 2 * warp (wq == warp)
+    const int idk = __shfl_sync(0xffffffffu, idq, 2 * warp);
+    const int t0 = tg + warp * C::kTok;
+    if (t0 < tok_end) {
+      const int t = lane & 15;
+      const bool okk = idk >= 0 && t0 + t < tok_end;
+      const char* ksrc = kc + static_cast<std::int64_t>(okk ? idk : 0) * k_block_bytes +
+                         (static_cast<std::int64_t>(kvh) * nck * B + mod_b(t0) + t) * 16;
+      unsigned char* ks = my_ring + (i % C::kStages) * C::kRingStage;
+#pragma unroll 4
+      for (int pi = lane; pi < nck * 16; pi += 32)
+        cp_async16(ks + k_off<L, C::kKChunks>(pi >> 4, t), okk ? ksrc + (pi >> 4) * (B * 16) : kc,
+                   okk ? 16 : 0);
+    }
+    mbar_arrive_cp_async(bar_full + 8 * (i % C::kStages));
+  };
+
   // ---- per-warp online softmax state
   // acc: O's n-tiles [heads g, g + 8][dims]; transposed (N8), O^T's m-tiles [dims][heads 2c, 2c + 1]
   constexpr int kAcc = N8 ? C::kHMax / 16 : C::kNTiles;
@@ -562,10 +629,24 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
+  if constexpr (W) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int st = 0; st < C::kStages; ++st) {
+        mbar_init(bar_full + 8 * st, C::kThreads);   // every thread's copies of the group
+        mbar_init(bar_empty + 8 * st, C::kThreads);  // every thread done reading the stage
+      }
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) {
-    if (i < my_chunks) load_chunk(i, first_a[i], first_b[i]);
-    cp_async_commit();
+    if constexpr (W) {  // tracked by the full mbarriers alone (no cp.async groups)
+      if (i < my_iters) load_group(i, first_a[i]);
+    } else {
+      if (i < my_chunks) load_chunk(i, first_a[i], first_b[i]);
+      cp_async_commit();
+    }
   }
   int next_a = first_a[C::kStages - 1], next_b = first_b[C::kStages - 1];
   load_q();  // overlaps the first copies
@@ -575,17 +656,34 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     qk_row[1] = __shfl_sync(0xffffffffu, s0, 8 * c + 4);
   }
 
-  for (int i = 0; i < my_chunks; ++i) {
-    if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1, next_a, next_b);
-    raw_ids(i + C::kStages, next_a, next_b);
-    cp_async_commit();
-    cp_async_wait<C::kStages - 1>();
-    __syncwarp();
+  for (int i = 0; i < my_iters; ++i) {
+    if constexpr (W) {
+      if (i + C::kStages - 1 < my_iters) {
+        // group i + kStages - 1 takes the stage of group i - 1: every warp must be done with it
+        if (i > 0) mbar_wait(bar_empty + 8 * ((i - 1) % C::kStages), ((i - 1) / C::kStages) & 1);
+        load_group(i + C::kStages - 1, next_a);
+      }
+      raw_ids(i + C::kStages, next_a, next_b);
+      mbar_wait(bar_full + 8 * (i % C::kStages), (i / C::kStages) & 1);  // every warp's copies of group i
+    } else {
+      if (i + C::kStages - 1 < my_chunks) load_chunk(i + C::kStages - 1, next_a, next_b);
+      raw_ids(i + C::kStages, next_a, next_b);
+      cp_async_commit();
+      cp_async_wait<C::kStages - 1>();
+      __syncwarp();
+    }
     if (i < 6) PA_TRACE(2 + i);
 
-    const unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
-    const unsigned char* vs = ks + C::kKBytes;
+    const unsigned char* ks = my_ring + (i % C::kStages) * C::kRingStage;
+    unsigned char* vs_w = W ? wide_v + (i % C::kStages) * (C::kHMax * C::kVWideRow) : nullptr;
+    const unsigned char* vs = W ? vs_w : ks + C::kKBytes;
     const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    if constexpr (W) {
+      if (t0 >= tok_end) {  // no chunk of this warp in the last group
+        mbar_arrive(bar_empty + 8 * (i % C::kStages));
+        continue;
+      }
+    }
     // The window's first chunk: the slots before the window that its block holds came in
     // with the copies; their values are zeroed, so they never meet a product (their
     // logits are masked below). K needs nothing: a key only reaches its own column.
@@ -598,7 +696,16 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       if (lo > 0 || hi < 16) __syncwarp();
     }
     if (!S && t0 < wfirst) {
-      zero_values<C, L>(my_ring + (i % C::kStages) * C::kStageBytes + C::kKBytes, wfirst - t0, D, nck);
+      if constexpr (W) {  // the warp's 16 columns of the shared stage (no other warp reads them)
+        const int n = wfirst - t0;
+        for (int e = lane; e < D * n; e += 32) {
+          const int d = e / n, col = warp * C::kTok + e % n;
+          *reinterpret_cast<std::uint16_t*>(vs_w + d * C::kVWideRow + (((col >> 3) ^ (d & 7)) << 4) +
+                                            (col & 7) * 2) = 0;
+        }
+      } else {
+        zero_values<C, L>(my_ring + (i % C::kStages) * C::kStageBytes + C::kKBytes, wfirst - t0, D, nck);
+      }
       __syncwarp();
     }
 
@@ -866,6 +973,15 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
             pv_blocks(std::integral_constant<int, 4>{});
           else if constexpr (C::kE == 2)  // fp8 pages of 8 keep the other kernel
             pv_blocks(std::integral_constant<int, 8>{});
+        } else if constexpr (W) {
+          // the shared [D][64] stage: tokens 4c .. 4c + 3 of the warp's columns are 8 bytes of
+          // piece 2 warp + c / 2 of row d = 8n + g, swizzled to (2 warp + c / 2) ^ g
+          const unsigned char* v0 = vs + g * C::kVWideRow + (((2 * warp + (c >> 1)) ^ g) << 4) + (c & 1) * 8;
+#pragma unroll
+          for (int n = 0; n < C::kNTiles; ++n) {
+            const uint2 v = *reinterpret_cast<const uint2*>(v0 + n * 8 * C::kVWideRow);
+            mma16816<M>(acc[n], pa, v.x, v.y);
+          }
         } else {
           pv_blocks(std::integral_constant<int, 16>{});  // [D][16]: one block of 16 as one run
         }
@@ -920,6 +1036,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       }
     }  // N8
     __syncwarp();
+    if constexpr (W) mbar_arrive(bar_empty + 8 * (i % C::kStages));  // this thread is done reading group i
   }
   cp_async_wait<0>();
   PA_TRACE(8);
@@ -1019,16 +1136,16 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
 // Two entry points: the transposed kernels bound to kMinBlocks CTAs per multiprocessor, the
 // others with no such bound (a bound of 1 is not the same to ptxas: it took the bf16 nhd d128
 // kernel from 168 to 192 registers, 3 to 2 CTAs per multiprocessor).
-template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false>
-__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8>::kThreads)
+template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false, bool W = false>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, N8, W>::kThreads)
     decode_mma_kernel(const __grid_constant__ DecodeKernelParams p) {
-  decode_mma_body<T, F, HEAD, L, S, N8>(p);
+  decode_mma_body<T, F, HEAD, L, S, N8, W>(p);
 }
 template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S>
 __global__ void __launch_bounds__(MmaDecodeConfig<T, F, HEAD, L, S, true>::kThreads,
                                   MmaDecodeConfig<T, F, HEAD, L, S, true>::kMinBlocks)
     decode_mma_kernel_n8(const __grid_constant__ DecodeKernelParams p) {
-  decode_mma_body<T, F, HEAD, L, S, true>(p);
+  decode_mma_body<T, F, HEAD, L, S, true, false>(p);
 }
 
 }  // namespace pagedattn::cuda_backend

@@ -113,24 +113,6 @@ struct PrefillSm90Config {
   static constexpr int kSmemBytes = kIdsOffset + 2 * kBN * 4 + 1024;
 };
 
-__device__ __forceinline__ void mbar_init(std::uint32_t a, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(std::uint32_t a) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
-}
-// Arrives once this thread's earlier cp.async copies have landed (the thread goes on).
-__device__ __forceinline__ void mbar_arrive_cp_async(std::uint32_t a) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(std::uint32_t a, int parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(a),
-      "r"(parity)
-      : "memory");
-}
 // 2^x in one MUFU instruction (results below 2^-126 flush to zero: weights that small
 // vanish beside the row's maximum, whose weight is 1).
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -152,6 +152,35 @@ def test_vllm_small_pages(rng, block_size, head_size, cache):
             check(p, "float16", sliding_window=window, kernel=kernel[0], partition_size=kernel[1], **fp8)
 
 
+@pytest.mark.parametrize("block_size", [32, 64, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_vllm_wide_value_rows(rng, block_size, dtype):
+    """vllm pages of 64 and more with 16-bit caches and head sizes 64 and 128 run the wide-row
+    kernel: the 4 warps' chunks of a 64-token group share one V stage, each warp copying a
+    quarter of the group's dim rows, mbarriers handing the stages between them. Sequences
+    ending inside a chunk, on and around group edges; partitions of 48 tokens (a warp with no
+    chunk in a group) and 80 (groups straddling blocks); windows starting inside a chunk and
+    a group, NaN before them; soft cap, sinks and ALiBi at once. Head size 96 and pages of 32
+    keep the per-warp kernel and take the same checks."""
+    lens = [1, 15, 16, 17, 63, 64, 65, 100, 3 * block_size + 5, 700]
+    for head_size, window in itertools.product((64, 128, 96), (0, 150, 21)):
+        p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=head_size, dtype=np_dtype(dtype),
+                         layout="vllm", block_size=block_size, alibi=True)  # fmt: skip
+        if window:  # a fresh problem per window: poisoning goes through the table, whose entries it sets to -1
+            assert poison_outside_window(p, window) > 0
+        for kernel, psize in (("single_pass", 0), ("partitioned", 48), ("partitioned", 80), ("auto", 0)):
+            check(p, dtype, sliding_window=window, soft_cap=4.0, sinks=sinks_for(rng, 8), kernel=kernel,
+                  partition_size=psize)  # fmt: skip
+    # a bad block id inside a sequence: the checked call names it
+    p = make_problem(rng, [700, 300], num_heads=8, num_kv_heads=2, head_size=128, dtype=np_dtype(dtype),
+                     layout="vllm", block_size=block_size)  # fmt: skip
+    bad = p.block_tables.copy()
+    bad[0, 2] = p.key_cache.shape[0] + 7
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+    with pytest.raises(IndexError, match=rf"block_tables\[0, 2\] = {p.key_cache.shape[0] + 7} is outside"):
+        pagedattn.paged_attention(*args, check_block_tables=True)
+
+
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
