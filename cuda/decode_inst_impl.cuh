@@ -51,7 +51,8 @@ DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size, int
         // chunks shares a V stage filled with whole 128-byte rows), for the head sizes of the
         // GQA models in use; the others keep the per-warp stages. Pages of 32 keep them too:
         // there a group's row is two 64-byte runs of two blocks, and the wide-row kernel
-        // measured 2-5% slower than the per-warp one on an H200.
+        // measured no faster than the per-warp one on an H200 (1.01-1.09x page 16 against
+        // 1.03-1.06x in the same run).
         if constexpr (F == KVCacheDType::kAuto && (HEAD == 64 || HEAD == 128)) {
           if (block_size >= 64) return mma_kernel_info<T, F, HEAD, L, false, false, true>();
         }
