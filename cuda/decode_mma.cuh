@@ -270,9 +270,9 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   PA_TRACE_DECL;
   PA_TRACE(0);
   allow_dependent_launch();
-  const CtaTask task = cta_task(p, C::kRows);
+  CtaTask task = cta_task(p, C::kRows);
   const int part = task.part, kvh = task.kvh, s = task.s, rows = task.rows, h0 = task.h0;
-  const int tok_begin = task.tok_begin;
+  int tok_begin = task.tok_begin;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int D = HEAD ? HEAD : p.head_size;
@@ -298,6 +298,30 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
 #pragma unroll
   for (int i = 0; i < C::kStages; ++i)
     early_block_ids(p, task, tok_begin + (wq + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
+  [[maybe_unused]] const std::uint32_t bar_full = smem_addr(red_l + C::kRedFloats);  // W: full[s] at + 8 s
+  [[maybe_unused]] const std::uint32_t bar_empty = bar_full + 8 * C::kStages;
+  if constexpr (W) {
+    // The mbarriers count every thread of the CTA, so its threads must agree on its work:
+    // each read seq_lens (and query_start_loc) itself, and a caller changing them during
+    // the call could give threads different lengths, and loops of different trip counts (a
+    // hang). Thread 0's reading is the CTA's. (The other kernels meet only at the end,
+    // where a thread that returned early does not hold the barrier.)
+    int* shared_task = reinterpret_cast<int*>(red_m);  // free until the warps merge
+    if (threadIdx.x == 0) {
+      shared_task[0] = task.raw_len;
+      shared_task[1] = task.row;
+#pragma unroll
+      for (int st = 0; st < C::kStages; ++st) {
+        mbar_init(bar_full + 8 * st, C::kThreads);   // every thread's copies of the group
+        mbar_init(bar_empty + 8 * st, C::kThreads);  // every thread done reading the stage
+      }
+    }
+    __syncthreads();
+    task.raw_len = shared_task[0];
+    task.row = shared_task[1];
+    if (p.sliding_window > 0)
+      tok_begin = task.tok_begin = part * p.partition_size + window_base(p, task.raw_len);
+  }
   const int len = cta_seq_len<T>(p, task);
   if (len < 0) return;
   PA_TRACE(1);
@@ -375,8 +399,6 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
 
   unsigned char* my_ring = smem + warp * C::kStages * C::kRingStage;
   [[maybe_unused]] unsigned char* wide_v = smem + C::kWarps * C::kStages * C::kKBytes;  // W: V stages [D][64]
-  [[maybe_unused]] const std::uint32_t bar_full = smem_addr(red_l + C::kRedFloats);     // W: full[s] at + 8 s
-  [[maybe_unused]] const std::uint32_t bar_empty = bar_full + 8 * C::kStages;
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   // Byte strides of the caches: between blocks, and (nhd / hnd) between a block's token
@@ -629,16 +651,6 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
-  if constexpr (W) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int st = 0; st < C::kStages; ++st) {
-        mbar_init(bar_full + 8 * st, C::kThreads);   // every thread's copies of the group
-        mbar_init(bar_empty + 8 * st, C::kThreads);  // every thread done reading the stage
-      }
-    }
-    __syncthreads();
-  }
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) {
     if constexpr (W) {  // tracked by the full mbarriers alone (no cp.async groups)

@@ -1,4 +1,4 @@
-"""A caller that changes the index arrays while a varlen call runs.
+"""A caller that changes the index arrays while a varlen or decode call runs.
 
 Another stream (of higher priority, so that its blocks are scheduled between the
 attention kernel's) overwrites query_start_loc, seq_lens and the block table with random
@@ -114,3 +114,81 @@ def test_index_arrays_changed_during_the_call(dtype, layout, kernel, expected):
     if family == "sm80_mma" and expected == "sm90_wgmma":
         pytest.skip("this build has no Hopper kernels")
     assert family == expected, family
+
+
+DECODE_SCRIPT = r"""
+import sys
+import torch
+import pagedattn
+
+dtype = getattr(torch, sys.argv[1])
+layout, B, rounds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dev = "cuda"
+torch.manual_seed(0)
+S, L, H, K, D = 16, 2048, 16, 4, 128
+n_blocks = S * L // B
+kshape, vshape = pagedattn.kv_cache_shape(n_blocks, B, K, D, sys.argv[1], layout)
+kc = torch.randn(kshape, device=dev).to(dtype)
+vc = torch.randn(vshape, device=dev).to(dtype)
+q = torch.randn(S, H, D, device=dev).to(dtype)
+bt = torch.randperm(n_blocks, device=dev).to(torch.int32).view(S, L // B)
+sl = torch.randint(1, L + 1, (S,), dtype=torch.int32, device=dev)
+qsl = torch.arange(0, S + 1, dtype=torch.int32, device=dev)  # a mixed batch of decode rows only
+sums = [t.double().sum().item() for t in (kc, vc, q)]
+forms = [dict(), dict(kernel="partitioned", partition_size=80), dict(sliding_window=300),
+         dict(query_start_loc=qsl, max_query_len=1)]
+before = [pagedattn.paged_attention(q, kc, vc, bt, sl, **f) for f in forms]
+torch.cuda.synchronize()
+
+side = torch.cuda.Stream(priority=-1)  # higher priority: its blocks run between the kernel's
+lo32, hi32 = -(2**31), 2**31 - 1
+for r in range(rounds):
+    f = dict(forms[r % len(forms)])
+    bt_m, sl_m, qsl_m = bt.clone(), sl.clone(), qsl.clone()
+    if "query_start_loc" in f:
+        f["query_start_loc"] = qsl_m
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    pagedattn.paged_attention(q, kc, vc, bt_m, sl_m, out=out, **f)
+    with torch.cuda.stream(side):
+        for i in range(40):
+            if i % 4 == 0:
+                sl_m.random_(lo32, hi32)
+                bt_m.random_(lo32, hi32)
+                qsl_m.random_(lo32, hi32)
+            elif i % 4 == 1:
+                sl_m.random_(0, 2 * L)
+                bt_m.random_(-2, n_blocks + 2)
+                qsl_m.copy_(torch.sort(torch.randint(0, S + 1, (S + 1,), device=dev)).values.to(torch.int32))
+            elif i % 4 == 2:
+                sl_m.random_(1, L + 1)
+                bt_m.copy_(bt.flip(1))
+                qsl_m.copy_(qsl)
+            else:
+                sl_m.copy_(sl)
+                bt_m.random_(0, n_blocks)
+                qsl_m.random_(-S, 2 * S)
+    torch.cuda.synchronize()
+
+after = [pagedattn.paged_attention(q, kc, vc, bt, sl, **f) for f in forms]
+torch.cuda.synchronize()
+assert [t.double().sum().item() for t in (kc, vc, q)] == sums, "a racing call wrote outside out"
+for a, b in zip(before, after):
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "a clean call changed after the races"
+print("ok")
+"""
+
+
+# The decode kernels, among them the one whose warps share value stages through mbarriers
+# (vllm pages of 64 and more, 16-bit caches, head size 128): a thread that read another
+# length than its CTA's others would wait forever at a barrier the others never reach.
+@pytest.mark.parametrize("dtype,layout,block_size", [("bfloat16", "vllm", 64), ("float16", "vllm", 256),
+                                                     ("bfloat16", "vllm", 16), ("bfloat16", "nhd", 64)])  # fmt: skip
+def test_decode_index_arrays_changed_during_the_call(dtype, layout, block_size):
+    try:
+        r = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, dtype, layout, str(block_size), "16"],
+                           capture_output=True, text=True, timeout=240)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{dtype} {layout} page {block_size}: the decode call hung while its index arrays changed")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "ok"
