@@ -24,6 +24,39 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available() or not pagedattn._core.with_cuda:
     pytest.skip("needs a CUDA device and pagedattn built with CUDA", allow_module_level=True)
 
+# The racing writer of both scripts (each runs as MUTATE + script): 40 rounds on the stream
+# `side` over the arrays the call reads (query_start_loc of T rows, seq_lens up to L, a table
+# of n_blocks), plausible values (the kernel computes with them) and extreme ones in turns;
+# `pad`: how far query_start_loc strays past [0, T].
+MUTATE = r"""
+import torch
+
+
+def mutate(side, arrays, clean, T, pad, L, n_blocks):
+    qsl_m, sl_m, bt_m = arrays
+    qsl, sl, bt = clean
+    S = sl.numel()
+    lo32, hi32 = -(2**31), 2**31 - 1
+    with torch.cuda.stream(side):
+        for i in range(40):
+            if i % 4 == 0:
+                qsl_m.random_(lo32, hi32)
+                sl_m.random_(lo32, hi32)
+                bt_m.random_(lo32, hi32)
+            elif i % 4 == 1:
+                qsl_m.copy_(torch.sort(torch.randint(0, T + 1, (S + 1,), device=qsl.device)).values.to(torch.int32))
+                sl_m.random_(0, 2 * L)
+                bt_m.random_(-2, n_blocks + 2)
+            elif i % 4 == 2:
+                qsl_m.copy_(qsl)
+                sl_m.random_(1, L + 1)
+                bt_m.copy_(bt.flip(1))
+            else:
+                qsl_m.random_(-pad, T + pad)
+                sl_m.copy_(sl)
+                bt_m.random_(0, n_blocks)
+"""
+
 SCRIPT = r"""
 import sys
 import torch
@@ -48,32 +81,13 @@ before = pagedattn.paged_attention(q, kc, vc, bt, sl, query_start_loc=qsl, max_q
 torch.cuda.synchronize()
 
 side = torch.cuda.Stream(priority=-1)  # higher priority: its blocks run between the kernel's
-lo32, hi32 = -(2**31), 2**31 - 1
 for r in range(rounds):
     bt_m, sl_m, qsl_m = bt.clone(), sl.clone(), qsl.clone()
     out = torch.empty_like(q)
     torch.cuda.synchronize()
     mql = L if r % 2 == 0 else None  # with and without the host's bound (the flat grid)
     pagedattn.paged_attention(q, kc, vc, bt_m, sl_m, query_start_loc=qsl_m, max_query_len=mql, out=out)
-    with torch.cuda.stream(side):
-        for i in range(40):
-            # plausible values (the kernel computes with them) and extreme ones, in turns
-            if i % 4 == 0:
-                qsl_m.random_(lo32, hi32)
-                sl_m.random_(lo32, hi32)
-                bt_m.random_(lo32, hi32)
-            elif i % 4 == 1:
-                qsl_m.copy_(torch.sort(torch.randint(0, S * L + 1, (S + 1,), device=dev)).values.to(torch.int32))
-                sl_m.random_(0, 2 * L)
-                bt_m.random_(-2, n_blocks + 2)
-            elif i % 4 == 2:
-                qsl_m.copy_(qsl)
-                sl_m.random_(1, L + 1)
-                bt_m.copy_(bt.flip(1))
-            else:
-                qsl_m.random_(-L, S * L + L)
-                sl_m.copy_(sl)
-                bt_m.random_(0, n_blocks)
+    mutate(side, (qsl_m, sl_m, bt_m), (qsl, sl, bt), S * L, L, L, n_blocks)
     torch.cuda.synchronize()
 
 after = pagedattn.paged_attention(q, kc, vc, bt, sl, query_start_loc=qsl, max_query_len=L)
@@ -105,7 +119,7 @@ def test_index_arrays_changed_during_the_call(dtype, layout, kernel, expected):
     elif kernel is not None:
         env["PAGEDATTN_PREFILL_KERNEL"] = kernel
     try:
-        r = subprocess.run([sys.executable, "-c", SCRIPT, dtype, layout, "12"], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", MUTATE + SCRIPT, dtype, layout, "12"], env=env, capture_output=True,
                            text=True, timeout=240)  # fmt: skip
     except subprocess.TimeoutExpired:
         pytest.fail(f"{dtype} {layout} ({kernel or 'default'} kernel): the call hung while its index arrays changed")
@@ -141,7 +155,6 @@ before = [pagedattn.paged_attention(q, kc, vc, bt, sl, **f) for f in forms]
 torch.cuda.synchronize()
 
 side = torch.cuda.Stream(priority=-1)  # higher priority: its blocks run between the kernel's
-lo32, hi32 = -(2**31), 2**31 - 1
 for r in range(rounds):
     f = dict(forms[r % len(forms)])
     bt_m, sl_m, qsl_m = bt.clone(), sl.clone(), qsl.clone()
@@ -150,24 +163,7 @@ for r in range(rounds):
     out = torch.empty_like(q)
     torch.cuda.synchronize()
     pagedattn.paged_attention(q, kc, vc, bt_m, sl_m, out=out, **f)
-    with torch.cuda.stream(side):
-        for i in range(40):
-            if i % 4 == 0:
-                sl_m.random_(lo32, hi32)
-                bt_m.random_(lo32, hi32)
-                qsl_m.random_(lo32, hi32)
-            elif i % 4 == 1:
-                sl_m.random_(0, 2 * L)
-                bt_m.random_(-2, n_blocks + 2)
-                qsl_m.copy_(torch.sort(torch.randint(0, S + 1, (S + 1,), device=dev)).values.to(torch.int32))
-            elif i % 4 == 2:
-                sl_m.random_(1, L + 1)
-                bt_m.copy_(bt.flip(1))
-                qsl_m.copy_(qsl)
-            else:
-                sl_m.copy_(sl)
-                bt_m.random_(0, n_blocks)
-                qsl_m.random_(-S, 2 * S)
+    mutate(side, (qsl_m, sl_m, bt_m), (qsl, sl, bt), S, S, L, n_blocks)
     torch.cuda.synchronize()
 
 after = [pagedattn.paged_attention(q, kc, vc, bt, sl, **f) for f in forms]
@@ -186,7 +182,7 @@ print("ok")
                                                      ("bfloat16", "vllm", 16), ("bfloat16", "nhd", 64)])  # fmt: skip
 def test_decode_index_arrays_changed_during_the_call(dtype, layout, block_size):
     try:
-        r = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, dtype, layout, str(block_size), "16"],
+        r = subprocess.run([sys.executable, "-c", MUTATE + DECODE_SCRIPT, dtype, layout, str(block_size), "16"],
                            capture_output=True, text=True, timeout=240)  # fmt: skip
     except subprocess.TimeoutExpired:
         pytest.fail(f"{dtype} {layout} page {block_size}: the decode call hung while its index arrays changed")
