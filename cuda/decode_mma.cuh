@@ -96,8 +96,12 @@ struct MmaDecodeConfig {
   static constexpr int kStageBytes = kKBytes + kVBytes;
   // A warp's ring stage: its K and V (W: its K only; the V stages [D][64] after the rings)
   static constexpr int kRingStage = W ? kKBytes : kStageBytes;
-  static constexpr int kGroupTok = kTok * PAGEDATTN_MMA_WARPS;  // W: tokens per group (64)
-  static constexpr int kVWideRow = kGroupTok * kE;              // W: bytes per V stage row (128)
+  static constexpr int kGroupTok = kTok * kWarps;   // W: tokens per group (64)
+  static constexpr int kVWideRow = kGroupTok * kE;  // W: bytes per V stage row (128)
+  // W's copy and read addressing assume 8 lanes of 16 bytes per row (lane & 7 is the piece,
+  // lane >> 3 the row) and a piece swizzle of 3 bits: 4 warps of 16-bit elements
+  static_assert(!W || (kWarps == 4 && kE == 2),
+                "the wide-row kernel: 4 warps, 16-bit caches (128-byte rows)");
   // Bytes per us one CTA streams when alone on its multiprocessor, for the planner's model,
   // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
   // stages hold half the bytes, 13); nhd copies token rows of D elements (13: ~17 alone on an
