@@ -50,6 +50,17 @@ namespace pagedattn::cuda_backend {
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
 
+// The stage room the line-rounded blocks of small_page_stride() add: the most over pages
+// of 2, 4 and 8 (for generic head sizes, 16 / B blocks of up to 112 bytes).
+constexpr int small_page_pad(int D, int E) {
+  int most = 0;
+  for (int B = 2; B <= 8; B *= 2) {
+    const int pad = (16 / B) * ((128 - D * B * E % 128) % 128);
+    most = pad > most ? pad : most;
+  }
+  return most;
+}
+
 // S: the kernel of vllm pages of 2 and 4, and of 8 for 16-bit caches (small_page_stride,
 // copy_small_page_values), an instantiation of its own so that the page-16 kernel's code is
 // untouched by it (inlined into it, the small-page paths cost page 16 1.5-3% on an H200).
@@ -91,7 +102,7 @@ struct MmaDecodeConfig {
   static constexpr bool kVPerm = L == CacheLayout::kNHD && kE == 1 && HEAD != 0 && (HEAD / 8) % 4 == 0;
   // vllm pages of 2, 4 and 8 (S) keep a chunk's values as [16 / B blocks][D][B], each
   // block's [D, B] slab copied whole, the blocks small_page_stride() apart: room for the pads.
-  static constexpr int kVSmallPad = S ? 512 : 0;
+  static constexpr int kVSmallPad = S ? (HEAD ? small_page_pad(HEAD, kE) : 8 * 112) : 0;
   static constexpr int kVBytes = L == CacheLayout::kVLLM ? kHMax * kTok * kE + kVSmallPad : kTok * kVPitch;
   static constexpr int kStageBytes = kKBytes + kVBytes;
   // A warp's ring stage: its K and V (W: its K only; the V stages [D][64] after the rings)
@@ -106,9 +117,9 @@ struct MmaDecodeConfig {
   // fitted to partition sweeps: vllm copies whole [D/x, 16, x] / [D, 16] slabs (26; fp8, whose
   // stages hold half the bytes, 13); nhd copies token rows of D elements (13: ~17 alone on an
   // H100, ~13-14 at two CTAs per multiprocessor on an H200; fp8 8.5, from H100 sweeps). The
-  // small-page kernel (S) copies per-token keys as nhd does: nhd's rates (an H100 sweep of
-  // pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where 1024-token partitions
-  // took 200-235).
+  // small-page kernel (S) keeps nhd's rates, fitted when it copied per-token keys as nhd
+  // does (an H100 sweep of pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where
+  // 1024-token partitions took 200-235); not re-fitted since it copies whole key slabs.
   static constexpr double kCtaBw = L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
                                                                  : (kE == 2 ? 13.0e3 : 8.5e3);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
@@ -192,36 +203,69 @@ __device__ __forceinline__ int k_off(int j, int t) {
 // cache's own [D, B] slab of each block, so each is copied whole in 16-byte pieces (into a
 // [D][16] stage a B-token run is one piece of 2B bytes: 4.4x the page-16 time at page 2,
 // 2.3x at page 4 and 1.6x at page 8 on an H200, with page-8 runs of 16 bytes). The blocks
-// lie small_page_stride() bytes apart: padded so that the threads of a quad, which read
-// tokens 4c .. 4c + 3 of a dim (in block 4c / B), meet different banks.
-__device__ __forceinline__ int small_page_stride(int D, int B, int E) {
-  const int bytes = D * B * E;                              // a block's [D, B] slab (16 | bytes)
-  const int mod = B == 2 ? 64 : 128, to = B == 8 ? 64 : 8 * B;  // quads 32 / 64 bytes apart
-  return bytes + (to - bytes % mod + mod) % mod;
+// lie small_page_stride() bytes apart, whole 128-byte lines, so that a copy's lines meet
+// whole lines of the stage (one L2 request each: blocks padded off the lines split them in
+// two). The threads of a quad read tokens 4c .. 4c + 3 of a dim, in block 4c / B: so that
+// they meet different banks, block b's 16-byte pieces are XOR-swizzled inside their lines
+// by (b B / 2) mod 8 (small_v_off).
+__device__ __forceinline__ int small_page_stride(int D, int B, int E) { return (D * B * E + 127) & ~127; }
+
+// Byte offset in a small-page stage of byte j of block b's [D, B] slab.
+__device__ __forceinline__ int small_v_off(int b, int j, int B, int cs) {
+  return b * cs + (j ^ (((b * B / 2) & 7) << 4));
+}
+
+// vllm pages of 2 and 4 keep a chunk's keys as whole blocks too: [16 / B][D/x][B][x], the
+// cache's own [D/x, B, x] slab of each block, the blocks D * E * B bytes apart (their piece
+// (j, t) is 16 bytes of a 32- or 64-byte run, so per-token copies were one L2 request per
+// run where a slab's 512 contiguous bytes are four). Pages of 4 swap the token pairs of odd
+// 8-piece runs (bit 5 of the byte offset flipped by bit 7), so that the 16-byte loads of a
+// quad's four pieces j = 4q + c meet different banks. Byte offset of token t's piece j.
+__device__ __forceinline__ int small_key_off(int j, int t, int B, int row_bytes) {
+  const int in = (j * B + (t & (B - 1))) * 16;
+  return (t & ~(B - 1)) * row_bytes + (B == 4 ? in ^ ((in >> 2) & 32) : in);
 }
 
 // Copies the value slabs of a chunk's 16 / B blocks into the stage (vs), blocks cs bytes
-// apart. Block b's id: with per-token ids (B < 8) that of its last live token, shuffled
-// from the lane holding it (idA: the lane's token's checked id); for B = 8, idA / idB (the
-// chunk's halves). -1 when the block lies wholly before the window (never read), past the
-// sequence, or its id is bad (flagged by the caller): its slab is then zeros. A block read
-// whole may hold slots past the sequence or before the window: their values are zeroed
-// before use (zero_small_page_values).
-template <int E>
-__device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const char* vc, std::int64_t v_block_bytes,
-                                                       int kvh, int D, int B, int cs, int t0, int tok_end, int idA,
-                                                       int idB) {
+// apart; for pages of 2 and 4 also their key slabs into ks (small_key_off). Block b's id:
+// with per-token ids (B < 8) that of its last live token, shuffled from the lane holding it
+// (idA: the lane's token's checked id); for B = 8, idA / idB (the chunk's halves). -1 when
+// the block lies wholly before the window (never read), past the sequence, or its id is bad
+// (flagged by the caller): its slab is then zeros. A block read whole may hold slots past
+// the sequence or before the window: their values are zeroed before use
+// (zero_small_page_values). B and, for specialised head sizes, D are compile-time
+// constants here: the loops unroll (a run-time loop cost 109 instructions per block at
+// page 2, 8 blocks a chunk: the kernel ran twice the instructions of page 16).
+template <int E, int B>
+__device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const char* vc,
+                                                       std::int64_t v_block_bytes, unsigned char* ks,
+                                                       const char* kc, std::int64_t k_block_bytes, int kvh,
+                                                       int D, int t0, int tok_end, int idA, int idB) {
   const int lane = threadIdx.x & 31;
-  const int slab = D * B * E;
+  const int slab = D * B * E, cs = small_page_stride(D, B, E);
   const char* head = vc + static_cast<std::int64_t>(kvh) * slab;
-#pragma unroll 1
+  const char* khead = kc + static_cast<std::int64_t>(kvh) * slab;  // a key slab: D / x pieces of B tokens
+  const int rounds = (slab + 511) >> 9;                            // 512 bytes a warp per round
+#pragma unroll
   for (int b = 0; b < 16 / B; ++b) {
     const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
-    const int id =
-        B == 8 ? (b ? idB : idA) : __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
+    int id;
+    if constexpr (B == 8)
+      id = b ? idB : idA;
+    else
+      id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
     const bool ok = nvalid > 0 && id >= 0;
     const char* src = ok ? head + id * v_block_bytes : vc;
-    for (int j = lane * 16; j < slab; j += 32 * 16) cp_async16(vs + b * cs + j, ok ? src + j : vc, ok ? 16 : 0);
+    const char* ksrc = ok ? khead + id * k_block_bytes : kc;
+#pragma unroll 4
+    for (int r = 0; r < rounds; ++r) {
+      const int j = r * 512 + lane * 16;
+      if (j < slab) {
+        cp_async16(vs + small_v_off(b, j, B, cs), ok ? src + j : vc, ok ? 16 : 0);
+        if constexpr (B < 8)
+          cp_async16(ks + b * slab + (B == 4 ? j ^ ((j >> 2) & 32) : j), ok ? ksrc + j : kc, ok ? 16 : 0);
+      }
+    }
   }
 }
 
@@ -231,7 +275,7 @@ __device__ __forceinline__ void zero_small_page_values(unsigned char* vs, int lo
   const int n = hi - lo;
   for (int i = threadIdx.x & 31; i < D * n; i += 32) {
     const int d = i / n, t = lo + i % n;
-    unsigned char* e = vs + (t / B) * cs + (d * B + t % B) * E;
+    unsigned char* e = vs + (B < 16 ? small_v_off(t / B, (d * B + t % B) * E, B, cs) : (d * B + t % B) * E);
 #pragma unroll
     for (int k = 0; k < E; ++k) e[k] = 0;
   }
@@ -286,7 +330,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // chunk; nhd fp8 1-3% faster on an H100). The others keep the division: with the shift the
   // vllm fp8 kernel spills at its 128 registers and ran 1.5-3% slower, and the 16-bit ones
   // measured both faster and slower by 3-4% on different shapes.
-  constexpr bool kShiftB = (C::kE == 1 && L == CacheLayout::kNHD) || W;
+  constexpr bool kShiftB = (C::kE == 1 && L == CacheLayout::kNHD) || W || S;
   const int lgB = __ffs(B) - 1;
   auto div_b = [&](int t) { return kShiftB ? t >> lgB : t / B; };
   auto mod_b = [&](int t) { return kShiftB ? t & (B - 1) : t % B; };
@@ -505,6 +549,17 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           copy_runs(std::integral_constant<int, 0>{});
         return;
       }
+      if constexpr (S) {
+        if (B < 8) {  // keys and values as whole slabs (small_key_off)
+          if (B == 2)
+            copy_small_page_values<C::kE, 2>(vs, vc, v_block_bytes, ks, kc, k_block_bytes, kvh, D, t0,
+                                             tok_end, idA, idB);
+          else
+            copy_small_page_values<C::kE, 4>(vs, vc, v_block_bytes, ks, kc, k_block_bytes, kvh, D, t0,
+                                             tok_end, idA, idB);
+          return;
+        }
+      }
       // K: [N, K, D/x, B, x] -> piece (chunk j, token t) is 16 contiguous bytes.
       const int t = lane & 15;
       const int tok = t0 + t;
@@ -519,7 +574,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       // V: [N, K, D, B] -> per dim, pieces of `pt` tokens (16 or 8 bytes).
       constexpr int kPt16 = C::kV16;  // tokens per 16-byte piece
       if constexpr (S) {
-        copy_small_page_values<C::kE>(vs, vc, v_block_bytes, kvh, D, B, small_cs, t0, tok_end, idA, idB);
+        copy_small_page_values<C::kE, 8>(vs, vc, v_block_bytes, ks, kc, k_block_bytes, kvh, D, t0, tok_end,
+                                         idA, idB);
         return;
       }
       // Here B >= 8 (pages of 1 run the nhd kernels, pages of 2 and 4 the small-page one).
@@ -843,12 +899,24 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
         sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
         sc2[nt][0] = sc2[nt][1] = sc2[nt][2] = sc2[nt][3] = 0.f;
         const int trow = slot_token<L>(nt, g);
+        // S: small_key_off(4q + c, trow) for pages of 2 and 4, k_off for pages of 8 (both a
+        // base plus q times 4 pieces' step: the swizzles depend on c only)
+        [[maybe_unused]] int k_base_small = 0, k_step_small = 0;
+        if constexpr (S) {
+          k_base_small = B < 8 ? small_key_off(c, trow, B, nck * 16) : k_off<L, C::kKChunks>(c, trow);
+          k_step_small = B < 8 ? 64 * B : 1024;
+        }
 #pragma unroll
         for (int q = 0; q < C::kGroups; ++q) {
           if (HEAD == 0 && q * 4 * C::kV16 >= D) break;
           const int j = 4 * q + c;
           uint4 kv = make_uint4(0u, 0u, 0u, 0u);
-          if (j < nck) kv = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, trow));
+          if (j < nck) {
+            if constexpr (S)  // pieces 4q + c: a base per (token, c) and a step per q
+              kv = *reinterpret_cast<const uint4*>(ks + k_base_small + q * k_step_small);
+            else
+              kv = *reinterpret_cast<const uint4*>(ks + k_off<L, C::kKChunks>(j, trow));
+          }
           const std::uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
           for (int sub = 0; sub < C::kSPL; ++sub) {
@@ -953,8 +1021,13 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
         // (4c + 2h) / kB, at token (4c + 2h) % kB of each
         auto pv_blocks = [&](auto block_size) {
           constexpr int kB = decltype(block_size)::value;
-          const unsigned char* v0 = vs + (4 * c) / kB * small_cs + (4 * c) % kB * C::kE;
-          const unsigned char* v1 = vs + (4 * c + 2) / kB * small_cs + (4 * c + 2) % kB * C::kE;
+          // S: block b's pieces swizzled by x = ((b kB / 2) mod 8) << 4 (small_v_off); the
+          // offsets inside a piece (tokens 4c % kB ..) are under 16 bytes, out of x's reach
+          const int blk0 = (4 * c) / kB, blk1 = (4 * c + 2) / kB;
+          const int x0 = S ? ((blk0 * kB / 2) & 7) << 4 : 0, x1 = S ? ((blk1 * kB / 2) & 7) << 4 : 0;
+          const int cs = S ? small_page_stride(D, kB, C::kE) : 0;
+          const unsigned char* v0 = vs + blk0 * cs + (4 * c) % kB * C::kE;
+          const unsigned char* v1 = vs + blk1 * cs + (4 * c + 2) % kB * C::kE;
 #pragma unroll
           for (int n = 0; n < C::kNTiles; ++n) {
             if (HEAD == 0 && n * 8 >= D) break;
@@ -962,20 +1035,21 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
             std::uint32_t b0, b1;
             if constexpr (F == KVCacheDType::kAuto) {
               if constexpr (kB >= 4) {  // the 4 tokens adjacent in one block
-                const uint2 v = *reinterpret_cast<const uint2*>(v0 + d * (kB * 2));
+                const uint2 v = *reinterpret_cast<const uint2*>(v0 + ((d * (kB * 2)) ^ x0));
                 b0 = v.x;
                 b1 = v.y;
               } else {
-                b0 = *reinterpret_cast<const std::uint32_t*>(v0 + d * 4);
-                b1 = *reinterpret_cast<const std::uint32_t*>(v1 + d * 4);
+                b0 = *reinterpret_cast<const std::uint32_t*>(v0 + ((d * 4) ^ x0));
+                b1 = *reinterpret_cast<const std::uint32_t*>(v1 + ((d * 4) ^ x1));
               }
             } else {
               std::uint32_t v;
               if constexpr (kB >= 4)
-                v = *reinterpret_cast<const std::uint32_t*>(v0 + d * kB);
+                v = *reinterpret_cast<const std::uint32_t*>(v0 + ((d * kB) ^ x0));
               else
-                v = *reinterpret_cast<const std::uint16_t*>(v0 + d * 2) |
-                    (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + d * 2)) << 16);
+                v = *reinterpret_cast<const std::uint16_t*>(v0 + ((d * 2) ^ x0)) |
+                    (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(v1 + ((d * 2) ^ x1)))
+                     << 16);
               b0 = fp8x2_to<M, F>(v);
               b1 = fp8x2_to<M, F>(v >> 16);
             }

@@ -128,13 +128,16 @@ def test_decode_gqa_and_mha(rng, heads, dtype):
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8])
-@pytest.mark.parametrize("head_size", [64, 72, 136])
+@pytest.mark.parametrize("head_size", [64, 80, 112, 72, 136])
 @pytest.mark.parametrize("cache", ["float16", "fp8_e4m3"])
 def test_vllm_small_pages(rng, block_size, head_size, cache):
     """vllm pages of 2, 4 and 8 (16-bit) run a kernel of their own (whole blocks' value slabs, the
-    slots past a sequence's end or before its window zeroed after the copy): specialised
-    and generic head sizes, 16-bit and fp8 caches, sequences ending inside a block and
-    inside a 16-token chunk, windows starting inside a block."""
+    slots past a sequence's end or before its window zeroed after the copy; for pages of 2
+    and 4 whole key slabs too, NaN keys past the end read and masked): specialised head
+    sizes whose slabs fill whole 128-byte lines (64) and end inside one (80, 112: the
+    swizzled pieces of a partial line), generic ones, 16-bit and fp8 caches, sequences
+    ending inside a block and inside a 16-token chunk, windows starting inside a block, a
+    bad block id."""
     lens = [n for n in (1, block_size - 1, block_size + 1, 15, 17, 33, 250) if n > 0]
     if cache != "float16":  # fp8 vllm keys come in 16-element chunks: 72 -> 80, 136 -> 144
         head_size = -(-head_size // 16) * 16
@@ -150,6 +153,14 @@ def test_vllm_small_pages(rng, block_size, head_size, cache):
             assert poison_outside_window(p, window) > 0
         for kernel in KERNELS[:2]:
             check(p, "float16", sliding_window=window, kernel=kernel[0], partition_size=kernel[1], **fp8)
+    if cache == "float16":  # a bad block id inside a sequence: the checked call names it
+        p = make_problem(rng, [250, 40], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=np.float16,
+                         layout="vllm", block_size=block_size)  # fmt: skip
+        bad = p.block_tables.copy()
+        bad[0, 3] = p.key_cache.shape[0] + 5
+        args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+        with pytest.raises(IndexError, match=rf"block_tables\[0, 3\] = {p.key_cache.shape[0] + 5} is outside"):
+            pagedattn.paged_attention(*args, check_block_tables=True)
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 256])
