@@ -245,6 +245,17 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
   const int slab = D * B * E, cs = small_page_stride(D, B, E);
   const char* head = vc + static_cast<std::int64_t>(kvh) * slab;
   const char* khead = kc + static_cast<std::int64_t>(kvh) * slab;  // a key slab: D / x pieces of B tokens
+  // The id of the chunk's block b (every lane calls it together: a shuffle); ok: it is read
+  auto block_id = [&](int b, bool& ok) {
+    const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
+    int id;
+    if constexpr (B == 8)
+      id = b ? idB : idA;
+    else
+      id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
+    ok = nvalid > 0 && id >= 0;
+    return id;
+  };
   if constexpr (HEAD != 0 && HEAD * 2 * E % 128 == 0) {
     // Slabs of whole 128-byte lines (the head sizes in use): the chunk's 16 / B blocks hold
     // kK x 4 lines, and lanes 8G .. 8G + 7 copy line 4k + G of them at instruction k, blocks
@@ -262,13 +273,7 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
       const int b = kNb == 8 ? G + 4 * h : G % kNb;
-      const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
-      int id;
-      if constexpr (B == 8)
-        id = b ? idB : idA;
-      else
-        id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
-      ok[h] = nvalid > 0 && id >= 0;
+      const int id = block_id(b, ok[h]);
       vsrc[h] = head + (ok[h] ? id * v_block_bytes : 0) + lb + p16;
       ksrc[h] = khead + (ok[h] ? id * k_block_bytes : 0) + lb + p16;
       vdst[h] = b * kSlab + lb + (p16 ^ (((b * B / 2) & 7) << 4));  // small_v_off
@@ -289,13 +294,8 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
   const int rounds = (slab + 511) >> 9;  // 512 bytes a warp per round
 #pragma unroll 1
   for (int b = 0; b < 16 / B; ++b) {
-    const int nvalid = min(B, max(0, tok_end - (t0 + b * B)));
-    int id;
-    if constexpr (B == 8)
-      id = b ? idB : idA;
-    else
-      id = __shfl_sync(0xffffffffu, idA, (b * B + max(nvalid, 1) - 1) & 15);
-    const bool ok = nvalid > 0 && id >= 0;
+    bool ok;
+    const int id = block_id(b, ok);
     const char* src = ok ? head + id * v_block_bytes : vc;
     const char* ksrc = ok ? khead + id * k_block_bytes : kc;
 #pragma unroll 4

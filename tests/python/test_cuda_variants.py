@@ -127,6 +127,16 @@ def test_decode_gqa_and_mha(rng, heads, dtype):
               partition_size=kernel[1])  # fmt: skip
 
 
+def assert_bad_block_id_named(p, col, past):
+    """A block id `past` beyond the pool at block_tables[0, col], inside sequence 0: the checked
+    call names the entry and its value."""
+    bad = p.block_tables.copy()
+    bad[0, col] = p.key_cache.shape[0] + past
+    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
+    with pytest.raises(IndexError, match=rf"block_tables\[0, {col}\] = {bad[0, col]} is outside"):
+        pagedattn.paged_attention(*args, check_block_tables=True)
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 @pytest.mark.parametrize("head_size", [64, 80, 112, 72, 136])
 @pytest.mark.parametrize("cache", ["float16", "fp8_e4m3"])
@@ -153,14 +163,10 @@ def test_vllm_small_pages(rng, block_size, head_size, cache):
             assert poison_outside_window(p, window) > 0
         for kernel in KERNELS[:2]:
             check(p, "float16", sliding_window=window, kernel=kernel[0], partition_size=kernel[1], **fp8)
-    if cache == "float16":  # a bad block id inside a sequence: the checked call names it
+    if cache == "float16":
         p = make_problem(rng, [250, 40], num_heads=8, num_kv_heads=2, head_size=head_size, dtype=np.float16,
                          layout="vllm", block_size=block_size)  # fmt: skip
-        bad = p.block_tables.copy()
-        bad[0, 3] = p.key_cache.shape[0] + 5
-        args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
-        with pytest.raises(IndexError, match=rf"block_tables\[0, 3\] = {p.key_cache.shape[0] + 5} is outside"):
-            pagedattn.paged_attention(*args, check_block_tables=True)
+        assert_bad_block_id_named(p, 3, 5)
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 256])
@@ -182,14 +188,9 @@ def test_vllm_wide_value_rows(rng, block_size, dtype):
         for kernel, psize in (("single_pass", 0), ("partitioned", 48), ("partitioned", 80), ("auto", 0)):
             check(p, dtype, sliding_window=window, soft_cap=4.0, sinks=sinks_for(rng, 8), kernel=kernel,
                   partition_size=psize)  # fmt: skip
-    # a bad block id inside a sequence: the checked call names it
     p = make_problem(rng, [700, 300], num_heads=8, num_kv_heads=2, head_size=128, dtype=np_dtype(dtype),
                      layout="vllm", block_size=block_size)  # fmt: skip
-    bad = p.block_tables.copy()
-    bad[0, 2] = p.key_cache.shape[0] + 7
-    args = [to_torch(a) for a in (p.query, p.key_cache, p.value_cache, bad, p.seq_lens)]
-    with pytest.raises(IndexError, match=rf"block_tables\[0, 2\] = {p.key_cache.shape[0] + 7} is outside"):
-        pagedattn.paged_attention(*args, check_block_tables=True)
+    assert_bad_block_id_named(p, 2, 7)
 
 
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
