@@ -210,9 +210,12 @@ __device__ __forceinline__ int k_off(int j, int t) {
 // by (b B / 2) mod 8 (small_v_off).
 __device__ __forceinline__ int small_page_stride(int D, int B, int E) { return (D * B * E + 127) & ~127; }
 
+// The XOR that swizzles block b's value pieces (bits 4-6 of a byte offset in its slab).
+__device__ __forceinline__ int small_v_swz(int b, int B) { return ((b * B / 2) & 7) << 4; }
+
 // Byte offset in a small-page stage of byte j of block b's [D, B] slab.
 __device__ __forceinline__ int small_v_off(int b, int j, int B, int cs) {
-  return b * cs + (j ^ (((b * B / 2) & 7) << 4));
+  return b * cs + (j ^ small_v_swz(b, B));
 }
 
 // vllm pages of 2 and 4 keep a chunk's keys as whole blocks too: [16 / B][D/x][B][x], the
@@ -220,10 +223,13 @@ __device__ __forceinline__ int small_v_off(int b, int j, int B, int cs) {
 // (j, t) is 16 bytes of a 32- or 64-byte run, so per-token copies were one L2 request per
 // run where a slab's 512 contiguous bytes are four). Pages of 4 swap the token pairs of odd
 // 8-piece runs (bit 5 of the byte offset flipped by bit 7), so that the 16-byte loads of a
-// quad's four pieces j = 4q + c meet different banks. Byte offset of token t's piece j.
+// quad's four pieces j = 4q + c meet different banks (small_key_swz: byte in of a key slab).
+__device__ __forceinline__ int small_key_swz(int in, int B) { return B == 4 ? in ^ ((in >> 2) & 32) : in; }
+
+// Byte offset of token t's piece j.
 __device__ __forceinline__ int small_key_off(int j, int t, int B, int row_bytes) {
   const int in = (j * B + (t & (B - 1))) * 16;
-  return (t & ~(B - 1)) * row_bytes + (B == 4 ? in ^ ((in >> 2) & 32) : in);
+  return (t & ~(B - 1)) * row_bytes + small_key_swz(in, B);
 }
 
 // Copies the value slabs of a chunk's 16 / B blocks into the stage (vs), blocks cs bytes
@@ -276,10 +282,11 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
       const int id = block_id(b, ok[h]);
       vsrc[h] = head + (ok[h] ? id * v_block_bytes : 0) + lb + p16;
       ksrc[h] = khead + (ok[h] ? id * k_block_bytes : 0) + lb + p16;
-      vdst[h] = b * kSlab + lb + (p16 ^ (((b * B / 2) & 7) << 4));  // small_v_off
+      vdst[h] = b * kSlab + lb + (p16 ^ small_v_swz(b, B));  // small_v_off, lb + p16 in the first line
       kdst[h] = b * kSlab + lb + p16;
     }
-    const int kflip = (p16 ^ 32) - p16;  // page 4: the key pieces of a block's odd lines (small_key_off)
+    // small_key_swz of a key piece: p16 on a block's even lines, p16 ^ 32 on its odd ones at page 4
+    const int kflip = (p16 ^ 32) - p16;
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
       const int h = kNb == 8 ? (k & 1) : 0;
@@ -303,8 +310,7 @@ __device__ __forceinline__ void copy_small_page_values(unsigned char* vs, const 
       const int j = r * 512 + lane * 16;
       if (j < slab) {
         cp_async16(vs + small_v_off(b, j, B, cs), ok ? src + j : vc, ok ? 16 : 0);
-        if constexpr (B < 8)
-          cp_async16(ks + b * slab + (B == 4 ? j ^ ((j >> 2) & 32) : j), ok ? ksrc + j : kc, ok ? 16 : 0);
+        if constexpr (B < 8) cp_async16(ks + b * slab + small_key_swz(j, B), ok ? ksrc + j : kc, ok ? 16 : 0);
       }
     }
   }
@@ -1066,7 +1072,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           // S: block b's pieces swizzled by x = ((b kB / 2) mod 8) << 4 (small_v_off); the
           // offsets inside a piece (tokens 4c % kB ..) are under 16 bytes, out of x's reach
           const int blk0 = (4 * c) / kB, blk1 = (4 * c + 2) / kB;
-          const int x0 = S ? ((blk0 * kB / 2) & 7) << 4 : 0, x1 = S ? ((blk1 * kB / 2) & 7) << 4 : 0;
+          const int x0 = S ? small_v_swz(blk0, kB) : 0, x1 = S ? small_v_swz(blk1, kB) : 0;
           const int cs = S ? small_page_stride(D, kB, C::kE) : 0;
           const unsigned char* v0 = vs + blk0 * cs + (4 * c) % kB * C::kE;
           const unsigned char* v1 = vs + blk1 * cs + (4 * c + 2) % kB * C::kE;
