@@ -6,6 +6,8 @@
 # turn, PA_HOST_ROUNDS times (default 3). Results in $OUT/ab.txt.
 #   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep host" bash benchmarks/device_ab.sh
 #   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash benchmarks/device_ab.sh
+# The "prefill" stage times prefill_bench.py --pagedattn-only ($PA_PREFILL_ARGS) with each
+# build in turn, twice, and prints the ratios.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -24,7 +26,7 @@ build() {  # name, source[, CUDA flags]
 }
 t0=$(date +%s)
 build new "$REPO" > /tmp/ab-new.rc &
-if has host || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
+if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
 # PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
 for v in ${PA_AB_EXTRA:-}; do
   n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
@@ -70,6 +72,26 @@ print(f"{'shape':22s} " + " ".join(f"{x:>9s}" for x in tags) + "   " + " ".join(
 for k, v in t.items():
     m = [statistics.mean(v[x]) if v[x] else float("nan") for x in tags]
     print(f"{k:22s} " + " ".join(f"{x:9.2f}" for x in m) + "   " + " ".join(f"{x / m[0]:.3f}" for x in m[1:]))
+PY
+fi
+if has prefill; then  # the varlen benchmark (pagedattn alone) with each build in turn, twice
+  for round in 1 2; do
+    for b in base new; do
+      PYTHONPATH=/tmp/ab-$b timeout 200 python3 "$REPO/benchmarks/prefill_bench.py" --pagedattn-only \
+        ${PA_PREFILL_ARGS:-} --json "/tmp/prefill_$b$round.json" > "$OUT/prefill_$b$round.log" 2>&1
+      note "prefill $b$round: rc=$?"
+    done
+  done
+  python3 - <<'PY' | tee -a "$S"
+import json, statistics
+runs = {f"{b}{r}": json.load(open(f"/tmp/prefill_{b}{r}.json")) for b in ("base", "new") for r in (1, 2)}
+print(f"{'varlen shape (us, two rounds each)':58s} {'layout':6s} {'base':>15s} {'new':>15s}  new/base")
+for i, row in enumerate(runs["base1"]["rows"]):
+    for lay in ("vllm", "nhd"):
+        k = f"pagedattn_{lay}"
+        v = {b: [runs[f"{b}{r}"]["rows"][i][k] for r in (1, 2)] for b in ("base", "new")}
+        print(f"{row['shape'][:58]:58s} {lay:6s} {v['base'][0]:7.1f} {v['base'][1]:7.1f} {v['new'][0]:7.1f} "
+              f"{v['new'][1]:7.1f}  {statistics.mean(v['new']) / statistics.mean(v['base']):.3f}")
 PY
 fi
 if has host; then  # host cost per call: the same script with each build in turn, on one machine

@@ -160,6 +160,9 @@ def with_rates(row, sh, dense, copy_bw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--more", action="store_true",
+                    help="add batches of many prompts: 16 x 512 and 12 prompts of 64 to 4096 tokens (GQA), "
+                         "MHA 8 x 1024 (the persistent grid's deal of unequal tiles)")  # fmt: skip
     ap.add_argument("--pagedattn-only", action="store_true",
                     help="time pagedattn alone (no SDPA or FlashInfer columns), e.g. to compare kernel families "
                          "with PAGEDATTN_PREFILL_KERNEL=mma")  # fmt: skip
@@ -185,6 +188,13 @@ def main():
         Shape("seed step 2 (OPT-125m 12 x d64 f16)", [(485, 1), (484, 456)], 12, 12, 64, fp),
         Shape("MHA 32 x d128 f16, 4 x 2048", [(2048, 2048)] * 4, 32, 32, 128, fp),
     ]
+    if args.more:
+        skewed = [(n, n) for n in (4096, 64, 2048, 512, 256, 2048, 4096, 128, 1024, 64, 256, 64)]
+        shapes += [
+            Shape("more: prefill 16 x 512 (GQA 32/8 d128 bf16)", [(512, 512)] * 16, 32, 8, 128, bf),
+            Shape("more: 12 prompts of 64-4096 (GQA 32/8 d128 bf16)", skewed, 32, 8, 128, bf),
+            Shape("more: MHA 32 x d128 f16, 8 x 1024", [(1024, 1024)] * 8, 32, 32, 128, fp),
+        ]
     rows = []
     for sh in shapes:
         row = bench_shape(sh, g, dense, copy_bw, flashinfer, peers=not args.pagedattn_only)

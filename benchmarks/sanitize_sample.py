@@ -204,6 +204,21 @@ for dtype, layout, head, kind in (
     except ValueError as e:
         assert "query_start_loc" in str(e), str(e)
 
+# the Hopper varlen kernel's persistent grid (items from a device counter): 6 prompts of 512,
+# 8 KV heads x 2, enough items for it on a GPU of up to 168 multiprocessors; twice, so the
+# second call runs on the counters the first left zeroed
+for layout in ("nhd", "vllm"):
+    p = make_problem(rng, [512] * 6, num_heads=16, num_kv_heads=8, head_size=64, block_size=16, dtype=np.float16,
+                     layout=layout)  # fmt: skip
+    qsl = np.arange(0, 7 * 512, 512, dtype=np.int32)
+    q = rng.standard_normal((6 * 512, 16, 64)).astype(np.float16)
+    args = [t(q), t(p.key_cache), t(p.value_cache), t(p.block_tables), t(p.seq_lens)]
+    ref = paged_attention_ref(q, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, query_start_loc=qsl)
+    for i in range(1 if quick else 2):
+        out = pagedattn.paged_attention(*args, query_start_loc=t(qsl))
+        torch.cuda.synchronize()
+        assert_close(back(out), ref, np.float16, f"persistent varlen {layout} call {i}")
+
 # block copy / swap
 cache = torch.randn(8, 2, 64, 16, dtype=torch.float16, device="cuda")
 pagedattn.copy_blocks([cache], [cache.clone()], [(0, 5), (1, 6)])

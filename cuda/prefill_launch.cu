@@ -3,9 +3,10 @@
 // memory (so a call can be captured in a CUDA graph with a fixed token budget):
 // ceil(bound * G / rows per CTA) tiles per sequence with bound = max_query_len when the
 // caller gives it; without it, the tensor-core kernel takes a flat grid of
-// ceil(T * G / rows per CTA) + S tiles, the CUDA-core kernel and checked calls bound = T. Nothing is allocated and
-// the host never waits, except with check_block_tables, which reads the call's error
-// record back (cuda/error_record.cuh).
+// ceil(T * G / rows per CTA) + S tiles, the CUDA-core kernel and checked calls bound = T. Nothing is allocated
+// (but a stream's first persistent call makes its pair of work counters, and a captured
+// one takes graph-owned counters: cuda/scratch_pool.cuh) and the host never waits, except
+// with check_block_tables, which reads the call's error record back (cuda/error_record.cuh).
 #include <cstdlib>
 #include <optional>
 #include <string_view>
@@ -15,6 +16,7 @@
 #include "cuda/error_record.cuh"
 #include "cuda/prefill_inst.cuh"
 #include "cuda/prefill_launch.cuh"
+#include "cuda/scratch_pool.cuh"
 #if PAGEDATTN_SM90_PREFILL
 #include "cuda/sm90/prefill_sm90.h"
 #endif
@@ -132,14 +134,21 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   // The Hopper kernel on the flat grid is persistent when the grid is long: one CTA per
   // multiprocessor (its shared memory allows no more), each walking items of the tiles x
   // KV heads grid, so that the start and the stores of one item overlap the loads of the
-  // next (PERF_NOTES.md). Its deal of items is fixed, so items with nothing to do would
-  // unbalance it where the hardware simply retires such blocks: up to two per sequence
-  // and KV head (a gap tile of the flat grid, a one-row sequence left to the decode
-  // kernels). It is used when the items left after those fill at least two rounds.
+  // next (PERF_NOTES.md). Each CTA takes its next item from a counter (the greedy deal
+  // the hardware gives blocks), but an item with nothing to do still costs its CTA a
+  // lookup where the hardware retires such a block almost for free: up to two per
+  // sequence and KV head (a gap tile of the flat grid, a one-row sequence left to the
+  // decode kernels). So the grid is persistent when the items left after those fill at
+  // least two rounds (and the item indices fit the counter's int).
   const std::int64_t items = tiles * p.num_kv_heads;
   const std::int64_t sure_items = items - 2 * static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
   const int num_sms = device_info(p.device_id).num_sms;
-  k.persistent = sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * num_sms;
+  std::optional<CallCounters> counters;
+  if (sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * num_sms && items + num_sms <= 0x7fffffff) {
+    counters.emplace(p.device_id, stream);
+    k.sched = counters->get();  // null: capture without stream-ordered allocation
+  }
+  k.persistent = k.sched != nullptr;
   k.tiles = static_cast<int>(tiles);
   const bool fp8 = p.kv_cache_dtype != KVCacheDType::kAuto;
   k.qk_scale_log2 = p.scale * (fp8 ? p.k_scale : 1.0f) * kLog2e;
@@ -164,6 +173,7 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
                               stream),
              "paged_attention: varlen kernel launch");
   check_launch("paged_attention: varlen kernel");
+  if (counters) counters->release();
   if (record) raise_recorded_error(record->take(stream), p);
 }
 

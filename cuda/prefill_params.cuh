@@ -37,9 +37,13 @@ struct PrefillKernelParams {
   bool skip_single;   // leave sequences with one valid row to the decode kernels (mixed batches)
   bool flat_tiles;    // grid x enumerates every sequence's tiles (prefill_item_warp), z = 1
   // Persistent kernels (flat grid only): the grid has fewer CTAs than work items, and each
-  // walks items of the virtual grid of `tiles` x num_kv_heads (prefill_persistent_item).
+  // walks items of the virtual grid of `tiles` x num_kv_heads (prefill_item_index), taking
+  // the next one from a device counter as it finishes one (dynamic, as the hardware deals
+  // blocks). sched: {next item, CTAs done}, zero when the kernel starts and again when it
+  // ends (its last CTA resets them; the launcher owns them, cuda/scratch_pool.cuh).
   bool persistent;
   int tiles;
+  int* sched;
 
   float qk_scale_log2;  // scale * k_scale * log2(e): logits are kept in base 2
   float v_scale;        // fp8 caches: real value = stored * v_scale (1 otherwise)
@@ -188,24 +192,42 @@ __device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelPara
   }
 }
 
-// Item k (0, 1, ...) of a CTA: its tile index c in the grid (counted from the top, so the
-// longest tiles come first) and KV head, or false when the CTA is done. One item per CTA
-// unless persistent. A persistent CTA b of P walks the virtual grid tile-major (all KV
-// heads of a tile before the next) in rounds of P items, dealt b-th from the front in
-// even rounds and from the back in odd ones: causal tiles shorten down the grid, so a
-// CTA that drew a longer item in one round draws a shorter one in the next.
-__device__ __forceinline__ bool prefill_persistent_item(const PrefillKernelParams& p, int k, int& c, int& kh) {
+// The virtual index j of item k (0, 1, ...) of a CTA, or -1 when the CTA is done; called by
+// one thread (the persistent kernel's producer lane that then broadcasts it). One item per
+// CTA unless persistent. A persistent CTA b takes item b first, then whatever index the
+// counter hands out next (prefetched one item ahead in `next`, so the atomic's latency
+// hides behind the current item): a CTA that finishes early takes more, the greedy deal of
+// the hardware's block scheduler, which balances tiles of unequal length (a static deal
+// of rounds left CTAs of a batch of equal prompts up to 1.2x the mean in a simulation: the
+// tile lengths form a sawtooth over the sequences). The CTA that takes the last end
+// resets the counters for the next launch.
+__device__ __forceinline__ int prefill_item_index(const PrefillKernelParams& p, int k, int& next) {
+  if (!p.persistent) return k == 0 ? 0 : -1;
+  const int n = p.tiles * p.num_kv_heads;  // < 2^31: the launcher checks tiles x heads
+  const int j = k == 0 ? static_cast<int>(blockIdx.x) : next;
+  if (j < n) {
+    next = static_cast<int>(gridDim.x) + atomicAdd(&p.sched[0], 1);
+    return j;
+  }
+  // this CTA's end: every atomic on sched[0] of this CTA is done
+  if (atomicAdd(&p.sched[1], 1) == static_cast<int>(gridDim.x) - 1) {
+    atomicExch(&p.sched[0], 0);
+    atomicExch(&p.sched[1], 0);
+  }
+  return -1;
+}
+
+// Item j's tile index c in the grid (counted from the top, so the longest tiles come first)
+// and KV head: one item per grid cell, or for a persistent grid the virtual grid walked
+// tile-major (all KV heads of a tile before the next).
+__device__ __forceinline__ void prefill_item_tile(const PrefillKernelParams& p, int j, int& c, int& kh) {
   if (!p.persistent) {
     c = static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x);
     kh = static_cast<int>(blockIdx.y);
-    return k == 0;
+    return;
   }
-  const std::int64_t P = gridDim.x, b = blockIdx.x;
-  const std::int64_t j = k * P + ((k & 1) ? P - 1 - b : b);
-  if (j >= static_cast<std::int64_t>(p.tiles) * p.num_kv_heads) return false;
-  c = p.tiles - 1 - static_cast<int>(j / p.num_kv_heads);
-  kh = static_cast<int>(j % p.num_kv_heads);
-  return true;
+  c = p.tiles - 1 - j / p.num_kv_heads;
+  kh = j % p.num_kv_heads;
 }
 
 // The CTA's work as warp 0 alone reads it, shared through `slot` (shared memory): every

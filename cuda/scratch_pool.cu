@@ -1,4 +1,4 @@
-// Scratch of the partitioned decode (cuda/scratch_pool.cuh).
+// Scratch of the partitioned decode and the varlen kernel's work counters (cuda/scratch_pool.cuh).
 #include "cuda/scratch_pool.cuh"
 
 #include <algorithm>
@@ -36,7 +36,49 @@ void* pool_buffer(int device, cudaStream_t stream, std::size_t bytes) {
   return b.ptr;
 }
 
+// The stream's pair of counters, zeroed (on the stream) when made; null while the stream is
+// being captured.
+int* pool_counters(int device, cudaStream_t stream) {
+  if (stream_is_capturing(stream)) return nullptr;
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, int*> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  int*& c = pools[std::make_pair(device, stream)];
+  if (c == nullptr) {
+    int* fresh = nullptr;
+    check_cuda(cudaMalloc(&fresh, 2 * sizeof(int)), "cudaMalloc (paged_attention work counters)");
+    // zeroed on the stream itself: ordered before the kernel whatever the stream's flags
+    const cudaError_t e = cudaMemsetAsync(fresh, 0, 2 * sizeof(int), stream);
+    if (e != cudaSuccess) {
+      cudaFree(fresh);
+      check_cuda(e, "cudaMemset (paged_attention work counters)");
+    }
+    c = fresh;
+  }
+  return c;
+}
+
 }  // namespace
+
+CallCounters::CallCounters(int device, cudaStream_t stream) : stream_(stream) {
+  ptr_ = pool_counters(device, stream);
+  if (ptr_ != nullptr || !device_info(device).memory_pools) return;
+  void* p = nullptr;
+  check_cuda(cudaMallocAsync(&p, 2 * sizeof(int), stream), "cudaMallocAsync (paged_attention work counters)");
+  ptr_ = static_cast<int*>(p);
+  stream_ordered_ = true;
+  check_cuda(cudaMemsetAsync(ptr_, 0, 2 * sizeof(int), stream), "cudaMemsetAsync (paged_attention work counters)");
+}
+
+CallCounters::~CallCounters() {
+  if (stream_ordered_) cudaFreeAsync(ptr_, stream_);  // error path: best effort
+}
+
+void CallCounters::release() {
+  if (!stream_ordered_) return;
+  stream_ordered_ = false;
+  check_cuda(cudaFreeAsync(ptr_, stream_), "cudaFreeAsync (paged_attention work counters)");
+}
 
 CallScratch::CallScratch(int device, cudaStream_t stream, std::size_t bytes) : stream_(stream) {
   ptr_ = pool_buffer(device, stream, bytes);

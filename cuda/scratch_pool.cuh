@@ -1,4 +1,5 @@
-// Device scratch for the partitioned decode when the caller passes no `workspace`.
+// Device scratch for the partitioned decode when the caller passes no `workspace`, and
+// the work counters of the persistent varlen kernel (CallCounters, below).
 //
 // Outside graph capture it is a buffer per (device, stream) that only grows. While the
 // stream is being captured, that buffer is used when it is big enough; otherwise the
@@ -28,6 +29,32 @@ class CallScratch {
 
  private:
   void* ptr_ = nullptr;
+  cudaStream_t stream_;
+  bool stream_ordered_ = false;
+};
+
+// The zeroed work counters of one persistent varlen call (PrefillKernelParams::sched: two
+// ints), which the kernel leaves zeroed again when it ends. Outside graph capture they
+// are a pair per (device, stream) kept for the life of the process: calls on one stream
+// run one after another, so no two kernels share them. While the stream is being
+// captured they are a stream-ordered allocation zeroed on the stream and freed behind
+// the kernel: the graph owns them, so a graph replayed on another stream never shares
+// the eager calls' pair (and one graph's replays run one at a time). get() is null when
+// neither can be had (capture on a device without stream-ordered allocation): the
+// caller then launches the one-block-per-item grid, which needs no counter.
+class CallCounters {
+ public:
+  CallCounters(int device, cudaStream_t stream);
+  ~CallCounters();  // frees a stream-ordered allocation if release() did not (a failed call)
+  CallCounters(const CallCounters&) = delete;
+  CallCounters& operator=(const CallCounters&) = delete;
+
+  int* get() const { return ptr_; }
+  // After the kernel is queued: frees a stream-ordered allocation behind it.
+  void release();
+
+ private:
+  int* ptr_ = nullptr;
   cudaStream_t stream_;
   bool stream_ordered_ = false;
 };

@@ -16,7 +16,7 @@
 //     and the product S of tile i is issued together with P V of tile i - 1, so that the
 //     softmax of tile i overlaps the latter on the tensor cores.
 // On a long flat grid the kernel is persistent (PrefillKernelParams::persistent): one CTA
-// per multiprocessor walks work items (prefill_persistent_item); the producer finds each
+// per multiprocessor takes work items from a counter (prefill_item_index); the producer finds each
 // item's work (prefill_item_warp), fills an invalid sequence's rows with NaN itself, and
 // hands the rest to the consumers through two slots guarded by mbarriers, while the stage
 // ring and Q's barriers run on across items, so the next item's loads overlap the current
@@ -108,7 +108,7 @@ struct PrefillSm90Config {
   // mbarriers: full[kStages], empty[kStages], q_full, q_empty, item_full[2], item_empty[2]
   static constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
   static constexpr int kSlotOffset = kBarOffset + 8 * (2 * kStages + 6);  // 16-byte aligned
-  static constexpr int kLookupOffset = kSlotOffset + 2 * 64;  // Sm90Slot[2], then PrefillItem[2]
+  static constexpr int kLookupOffset = kSlotOffset + 2 * 64;  // Sm90Slot[2], then Sm90Lookup[2]
   static constexpr int kIdsOffset = kLookupOffset + 2 * 64;
   static constexpr int kSmemBytes = kIdsOffset + 2 * kBN * 4 + 1024;
 };
@@ -349,6 +349,13 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
   return stored;
 }
 
+// The producer warp's reading of an item, shared with its warpgroup.
+struct Sm90Lookup {
+  PrefillItem item;
+  int kh;
+};
+static_assert(sizeof(Sm90Lookup) <= 64, "a lookup is 64 bytes of shared memory");
+
 // An item handed from the producer to the consumers (two slots, in turn).
 struct Sm90Slot {
   PrefillItem item;
@@ -390,7 +397,7 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
   }
   __syncthreads();
 
-  // The CTA walks its items (prefill_persistent_item: one, or with a persistent grid
+  // The CTA walks its items (prefill_item_index: one, or with a persistent grid
   // several): the producer finds each item's work (one warp reads it from the index
   // arrays, prefill_item_warp; every thread takes its control flow from that one read,
   // so the warpgroups agree on every barrier whatever a caller does to the arrays during
@@ -408,23 +415,33 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
     // The block id of each token of a tile goes through shared memory (one table read
     // per thread per tile, issued a tile ahead) instead of one read per copy.
     std::int32_t* ids_s = reinterpret_cast<std::int32_t*>(smem + C::kIdsOffset);  // [2][kBN]
-    PrefillItem* lookup = reinterpret_cast<PrefillItem*>(smem + C::kLookupOffset);  // [2]
+    Sm90Lookup* lookup = reinterpret_cast<Sm90Lookup*>(smem + C::kLookupOffset);  // [2]
     const int lg_b = __ffs(p.block_size) - 1;  // page sizes are powers of two
     int g = 0;  // key tiles produced, over all items
     int n = 0;  // items handed to the consumers
+    int next = 0;  // lane 0 of warp 0: the item index prefetched from the counter
     for (int k = 0;; ++k) {
-      int c, kh;
-      PrefillItem w;
-      if (prefill_persistent_item(p, k, c, kh)) {
-        if (ptid < 32) {
-          const PrefillItem it = prefill_item_warp<C::kBM>(p, c, p.persistent ? p.tiles - 1 : gridDim.x - 1);
-          if (ptid == 0) lookup[k & 1] = it;
+      // Warp 0 takes the item's index (lane 0) and finds its work; the warpgroup reads both
+      // from shared memory (double-buffered: the next item's lookup may start before every
+      // thread has read this one's).
+      if (ptid < 32) {
+        int j = ptid == 0 ? prefill_item_index(p, k, next) : 0;
+        j = __shfl_sync(0xffffffffu, j, 0);
+        PrefillItem it{};
+        it.kind = kItemEnd;
+        int c = 0, kh = 0;
+        if (j >= 0) {
+          prefill_item_tile(p, j, c, kh);
+          it = prefill_item_warp<C::kBM>(p, c, p.persistent ? p.tiles - 1 : gridDim.x - 1);
         }
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone
-        w = lookup[k & 1];
-      } else {
-        w.kind = kItemEnd;
+        if (ptid == 0) {
+          lookup[k & 1].item = it;
+          lookup[k & 1].kh = kh;
+        }
       }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone
+      const PrefillItem w = lookup[k & 1].item;
+      const int kh = lookup[k & 1].kh;
       if (w.kind == kItemSkip) continue;
       if (w.kind == kItemNaN) {
         prefill_fill_nan<T>(p, w.row0, kh, w.r_lo, w.r_end, ptid, 128);

@@ -187,6 +187,68 @@ def run_tests_with(variable, value, tests):
     return env
 
 
+def persistent_items(seq_lens_q, num_kv_heads, group):
+    """The items the Hopper kernel's persistent grid is chosen by (prefill_launch.cu):
+    tiles x KV heads less two per sequence and KV head; persistent from 2 x the SMs."""
+    tiles = -(-sum(seq_lens_q) * group // 128) + len(seq_lens_q)
+    return (tiles - 2 * len(seq_lens_q)) * num_kv_heads
+
+
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_the_persistent_deal_of_items(rng, layout):
+    """The persistent grid takes items from a device counter that each call leaves zeroed
+    for the next: a batch of equal prompts (whose tile lengths form a sawtooth over the
+    sequences) and a skewed one, each against float64; then the same call again and
+    again on one stream, on two streams in turn, and replayed from a CUDA graph, with
+    `out` NaN before each: every row is written every time, bit for bit the same (an item
+    is computed the same whichever CTA takes it), so a counter left dirty by a call, or
+    shared by two, would show as NaN or as a changed row."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kv, group = 8, 2
+    batches = {"equal prompts": ([1024] * 4, [1024] * 4), "skewed": ([2000, 64, 900, 1, 300, 1500],
+                                                                       [2000, 64, 700, 1, 280, 1500])}  # fmt: skip
+    for name, (seq_lens, q_lens) in batches.items():
+        if HOPPER and family() == "sm90_wgmma":
+            assert persistent_items(q_lens, kv, group) >= 2 * sms, "the shape must take the persistent grid"
+        pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype="float16", layout=layout, num_heads=kv * group,
+                               num_kv_heads=kv, head_size=64, block_size=16)  # fmt: skip
+        ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl)
+        args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
+        tqsl = to_torch(qsl)
+
+        def call(out):
+            out.fill_(float("nan"))
+            pagedattn.paged_attention(*args, query_start_loc=tqsl, out=out)
+
+        first = torch.empty_like(args[0])
+        call(first)
+        torch.cuda.synchronize()
+        assert_close(to_numpy(first), ref, "float16", name)
+        # again on the same stream, and on two streams in turn (each its own counters)
+        streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+        outs = [torch.empty_like(first) for _ in range(6)]
+        for i, out in enumerate(outs):
+            with torch.cuda.stream(streams[0 if i < 2 else 1 + i % 2]):
+                call(out)
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            assert torch.equal(out, first), f"{name}: call {i + 1} after the first"
+        # captured in a graph (graph-owned counters), replayed, then eager calls again
+        graph_out = torch.empty_like(first)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                pagedattn.paged_attention(*args, query_start_loc=tqsl, out=graph_out)
+        for i in range(3):
+            graph_out.fill_(float("nan"))
+            graph.replay()
+            call(outs[0])
+            torch.cuda.synchronize()
+            assert torch.equal(graph_out, first), f"{name}: graph replay {i}"
+            assert torch.equal(outs[0], first), f"{name}: eager call after replay {i}"
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
 def test_the_hopper_kernel_with_one_block_per_item():
     """PAGEDATTN_SM90_PERSISTENT=0: the Hopper kernel on a grid of one block per work item
