@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <tuple>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -11,6 +13,14 @@
 
 namespace pagedattn::cuda_backend {
 namespace {
+
+// A stream's entry in the pools: the device, the stream, and for the per-thread default
+// stream (one handle naming a different stream in each host thread, whose kernels may run
+// at the same time) the thread as well.
+using StreamKey = std::tuple<int, cudaStream_t, std::thread::id>;
+StreamKey stream_key(int device, cudaStream_t stream) {
+  return {device, stream, stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id{}};
+}
 
 // The stream's pool buffer with at least `bytes`; null while the stream is being
 // captured. A captured graph never points into the pool: a later eager call that grows
@@ -23,9 +33,9 @@ void* pool_buffer(int device, cudaStream_t stream, std::size_t bytes) {
     std::size_t bytes = 0;
   };
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> pools;
+  static std::map<StreamKey, Buffer> pools;
   std::lock_guard<std::mutex> lock(mu);
-  Buffer& b = pools[std::make_pair(device, stream)];
+  Buffer& b = pools[stream_key(device, stream)];
   if (b.bytes >= bytes) return b.ptr;
   if (b.ptr) check_cuda(cudaFree(b.ptr), "cudaFree");  // synchronises: in-flight users finish first
   b.ptr = nullptr;
@@ -41,9 +51,9 @@ void* pool_buffer(int device, cudaStream_t stream, std::size_t bytes) {
 int* pool_counters(int device, cudaStream_t stream) {
   if (stream_is_capturing(stream)) return nullptr;
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, int*> pools;
+  static std::map<StreamKey, int*> pools;
   std::lock_guard<std::mutex> lock(mu);
-  int*& c = pools[std::make_pair(device, stream)];
+  int*& c = pools[stream_key(device, stream)];
   if (c == nullptr) {
     int* fresh = nullptr;
     check_cuda(cudaMalloc(&fresh, 2 * sizeof(int)), "cudaMalloc (paged_attention work counters)");

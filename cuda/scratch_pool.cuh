@@ -1,12 +1,13 @@
 // Device scratch for the partitioned decode when the caller passes no `workspace`, and
 // the work counters of the persistent varlen kernel (CallCounters, below).
 //
-// Outside graph capture it is a buffer per (device, stream) that only grows. While the
-// stream is being captured, that buffer is used when it is big enough; otherwise the
+// Outside graph capture it is a buffer per (device, stream; and host thread for the
+// per-thread default stream) that only grows. While the stream is being captured, the
 // call allocates its scratch stream-ordered (cudaMallocAsync) and frees it behind its
 // kernels (cudaFreeAsync), which a capture records as graph memory nodes: the graph owns
-// that memory, so capturing needs neither `workspace` nor a warm-up on the capture
-// stream (PyTorch's recipe warms up on a side stream, then captures on another).
+// that memory (never the pool's, which a later call may free to grow it), so capturing
+// needs neither `workspace` nor a warm-up on the capture stream (PyTorch's recipe warms
+// up on a side stream, then captures on another).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,8 +36,8 @@ class CallScratch {
 
 // The zeroed work counters of one persistent varlen call (PrefillKernelParams::sched: two
 // ints), which the kernel leaves zeroed again when it ends. Outside graph capture they
-// are a pair per (device, stream) kept for the life of the process: calls on one stream
-// run one after another, so no two kernels share them. While the stream is being
+// are a pair per (device, stream) as above, kept for the life of the process: calls on
+// one stream run one after another, so no two kernels share them. While the stream is being
 // captured they are a stream-ordered allocation zeroed on the stream and freed behind
 // the kernel: the graph owns them, so a graph replayed on another stream never shares
 // the eager calls' pair (and one graph's replays run one at a time). get() is null when

@@ -249,6 +249,42 @@ def test_the_persistent_deal_of_items(rng, layout):
             assert torch.equal(outs[0], first), f"{name}: eager call after replay {i}"
 
 
+def test_per_thread_default_streams_keep_their_own_counters(rng):
+    """Two host threads calling on the per-thread default stream (one handle, a stream of
+    its own in each thread, whose kernels may overlap) each get their own work counters:
+    every call of both threads writes every row, bit for bit as a call alone."""
+    import threading
+
+    per_thread = 2  # cudaStreamPerThread
+    pb, q, qsl, _ = varlen(rng, [1024] * 4, [1024] * 4, dtype="float16", layout="nhd", num_heads=16, num_kv_heads=8,
+                           head_size=64, block_size=16)  # fmt: skip
+    args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
+    tqsl = to_torch(qsl)
+    alone = pagedattn.paged_attention(*args, query_start_loc=tqsl)
+    torch.cuda.synchronize()
+    outs = [[torch.full_like(alone, float("nan")) for _ in range(8)] for _ in range(2)]
+    torch.cuda.synchronize()
+    errors = []
+
+    def work(mine):
+        try:
+            for out in mine:
+                pagedattn.paged_attention(*args, query_start_loc=tqsl, out=out, stream=per_thread)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(mine,)) for mine in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    for i, mine in enumerate(outs):
+        for j, out in enumerate(mine):
+            assert torch.equal(out, alone), f"thread {i}, call {j}"
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
 def test_the_hopper_kernel_with_one_block_per_item():
     """PAGEDATTN_SM90_PERSISTENT=0: the Hopper kernel on a grid of one block per work item
