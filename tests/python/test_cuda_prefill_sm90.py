@@ -216,7 +216,7 @@ def test_the_persistent_deal_of_items(rng, layout):
         args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
         tqsl = to_torch(qsl)
 
-        def call(out):
+        def call(out, args=args, tqsl=tqsl):
             out.fill_(float("nan"))
             pagedattn.paged_attention(*args, query_start_loc=tqsl, out=out)
 
