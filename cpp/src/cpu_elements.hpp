@@ -13,6 +13,9 @@ namespace pagedattn::cpu {
 // float16 -> float32 for a row: hardware conversion (F16C) where the CPU has it,
 // else a table lookup. Defined in cpu_simd.cpp.
 void half_to_float_row(const std::uint16_t* src, float* dst, int n);
+// float32 -> float16 for a row, bit for bit numeric::float_to_half (round to nearest even,
+// NaN as sign | 0x7e00): F16C where the CPU has it. Defined in cpu_simd.cpp.
+void float_to_half_row(const float* src, std::uint16_t* dst, int n);
 
 // Reads n elements of the given storage type starting at src into dst (as float),
 // multiplied by `scale` (1 for non-fp8 types).
@@ -55,11 +58,9 @@ inline void store_row(const float* src, DType dtype, KVCacheDType kv, float scal
       for (int i = 0; i < n; ++i) d[i] = src[i];
       return;
     }
-    case DType::kFloat16: {
-      auto* d = static_cast<std::uint16_t*>(dst);
-      for (int i = 0; i < n; ++i) d[i] = numeric::float_to_half(src[i]);
+    case DType::kFloat16:
+      float_to_half_row(src, static_cast<std::uint16_t*>(dst), n);
       return;
-    }
     case DType::kBFloat16: {
       auto* d = static_cast<std::uint16_t*>(dst);
       for (int i = 0; i < n; ++i) d[i] = numeric::float_to_bf16(src[i]);

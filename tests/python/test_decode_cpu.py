@@ -231,3 +231,38 @@ def test_prepared_decode_validates_at_prepare_time(rng):
     p = make_problem(rng, [4])
     with pytest.raises(TypeError, match="seq_lens: expected dtype int32"):
         pagedattn.prepare_decode(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens.astype(np.int64))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_float16_outputs_round_to_nearest_even(rng, varlen):
+    """Every float16 output is its float32 value rounded to nearest, ties to even (the
+    vectorised conversion of the output rows): with a zero query both of a sequence's two
+    keys weigh 1/2, so each output is (v1 + v2) / 2 exactly in float32, half of them ties
+    between two float16 values. The value pairs cover every finite float16 bit pattern as
+    v1 (subnormals, the largest values, both signs); a NaN value gives NaN."""
+    S, K, D, B = 64, 8, 128, 16
+    finite = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = finite[np.isfinite(finite)]
+    v1 = np.resize(rng.permutation(finite), S * K * D)
+    v1[: D // 2] = np.nan  # a NaN in the first sequence's first row
+    step = rng.integers(-1, 2, v1.shape).astype(np.int32)  # a neighbour (or itself): ties both ways
+    v2 = ((v1.view(np.uint16).astype(np.int32) + step) & 0xFFFF).astype(np.uint16).view(np.float16)
+    v2[~np.isfinite(v2)] = v1[~np.isfinite(v2)]
+    kshape, vshape = pagedattn.kv_cache_shape(S, B, K, D, np.float16, "nhd")
+    kc = np.full(kshape, np.nan, np.float16)
+    vc = np.full(vshape, np.nan, np.float16)
+    kc[:, :2] = rng.standard_normal((S, 2, K, D)).astype(np.float16)
+    vc[:, 0] = v1.reshape(S, K, D)
+    vc[:, 1] = v2.reshape(S, K, D)
+    query = np.zeros((S, K, D), np.float16)
+    tables = np.arange(S, dtype=np.int32)[:, None]
+    lens = np.full(S, 2, np.int32)
+    kw = {"query_start_loc": np.arange(S + 1, dtype=np.int32), "max_query_len": 1} if varlen else {}
+    out = pagedattn.paged_attention(query, kc, vc, tables, lens, **kw)
+    want = ((v1.astype(np.float32) + v2.astype(np.float32)) / np.float32(2)).astype(np.float16).reshape(S, K, D)
+    nan = np.isnan(want)
+    assert nan.sum() == D // 2 and np.isnan(out[nan]).all()
+    # bit for bit, but for the sign of a zero (the sums start from +0, so -0 + -0 gives +0)
+    np.testing.assert_array_equal(np.where(want == 0, 0, out).view(np.uint16)[~nan],
+                                  np.where(want == 0, 0, want).view(np.uint16)[~nan])  # fmt: skip
+    assert (out[want == 0] == 0).all()
