@@ -8,7 +8,8 @@ The baseline is what one writes without a paged prefill kernel: gather the seque
 pages with fancy indexing into dense float32 K / V, scores = Q K^T per KV head's group by
 one batched matmul, the causal mask (lower-right: the q rows are the sequence's last
 tokens), softmax, @ V, cast to the output dtype. The two run alternately (--reps pairs
-after a warm-up call each) so both see the same machine load; the speed-up is the median of
+after a warm-up call each; each pagedattn call after --settle seconds of sleep, so that the
+baseline's OpenBLAS threads have stopped spinning) so both see the same machine load; the speed-up is the median of
 the per-pair ratios, times are medians. CPU time (all threads of the process) is reported
 too: on a shared machine it is the steadier measure of work. TFLOP/s counts the exact causal
 (query, key) pairs x 4 x head_size x num_heads (what the masked baseline also has to
@@ -106,29 +107,37 @@ def causal_flops(q_lens, seq_lens, h, d) -> int:
     return 4 * pairs * h * d
 
 
-def interleaved(lib, base, reps: int) -> tuple:
+def interleaved(lib, base, reps: int, settle: float = 0.0) -> tuple:
     """Times lib and base alternately (after one warm-up call each), so that both see the
     same machine load: (median lib s, median base s, median of the per-pair ratios,
-    median lib CPU s, median base CPU s). CPU time counts every thread of the process."""
+    median lib CPU s, median base CPU s). CPU time counts every thread of the process.
+    `settle` seconds of sleep before each lib call let the baseline's worker threads go idle
+    first: OpenBLAS's threads spin for a while after each call (about 0.1 s by default), and
+    on a 2-core machine that spinning takes a core from the next call. The baseline runs
+    right after lib, as before (lib's pool threads block when idle; measured unchanged)."""
     lib()
     base()
     tl, tb, ratios, cl, cb = [], [], [], [], []
-    for _ in range(reps):
+
+    def timed(fn, pause):
+        time.sleep(pause)
         c0, t0 = time.process_time(), time.perf_counter()
-        lib()
-        t1, c1 = time.perf_counter(), time.process_time()
-        base()
-        t2, c2 = time.perf_counter(), time.process_time()
-        tl.append(t1 - t0)
-        tb.append(t2 - t1)
-        cl.append(c1 - c0)
-        cb.append(c2 - c1)
-        ratios.append((t2 - t1) / (t1 - t0))
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    for _ in range(reps):
+        t_lib, c_lib = timed(lib, settle)
+        t_base, c_base = timed(base, 0.0)
+        tl.append(t_lib)
+        tb.append(t_base)
+        cl.append(c_lib)
+        cb.append(c_base)
+        ratios.append(t_base / t_lib)
     med = statistics.median
     return med(tl), med(tb), med(ratios), med(cl), med(cb)
 
 
-def run_case(rng, shape, dtype_name, layout, reps):
+def run_case(rng, shape, dtype_name, layout, reps, settle):
     name, q_lens, seq_lens, h, k, d = shape
     dtype = np_dtype(dtype_name)
     query, kc, vc, tables, lens, qsl = make_inputs(rng, q_lens, seq_lens, h, k, d, dtype, layout)
@@ -146,7 +155,7 @@ def run_case(rng, shape, dtype_name, layout, reps):
     err = float(np.max(np.abs(out.astype(np.float32) - ref)))
     if err > {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}[dtype_name]:
         raise SystemExit(f"{name} {dtype_name} {layout}: pagedattn and the baseline differ by {err}")
-    t_lib, t_base, ratio, c_lib, c_base = interleaved(lib, base, reps)
+    t_lib, t_base, ratio, c_lib, c_base = interleaved(lib, base, reps, settle)
     flops = causal_flops(q_lens, seq_lens, h, d)
     return {
         "shape": name,
@@ -170,6 +179,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--layouts", default="nhd,vllm")
+    ap.add_argument("--settle", type=float, default=0.3,
+                    help="seconds of sleep before each timed pagedattn call, so that the baseline's worker "
+                         "threads (OpenBLAS's spin after each call) no longer run during it (0: none)")  # fmt: skip
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -180,14 +192,15 @@ def main() -> None:
         ).stdout.strip()  # fmt: skip
     except OSError:
         commit = ""
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, commit {commit or '?'}")
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, commit {commit or '?'}, "
+          f"settle {args.settle} s")  # fmt: skip
     print(f"{'shape':<72} {'dtype':<9} {'layout':<6} {'pagedattn ms':>12} {'numpy ms':>10} {'x':>6} "
           f"{'TFLOP/s':>8} {'CPU-time x':>10}")  # fmt: skip
     results = []
     for shape in shapes:
         for dtype_name in args.dtypes.split(","):
             for layout in args.layouts.split(","):
-                r = run_case(rng, shape, dtype_name, layout, args.reps)
+                r = run_case(rng, shape, dtype_name, layout, args.reps, args.settle)
                 results.append(r)
                 print(
                     f"{r['shape']:<72} {r['dtype']:<9} {r['layout']:<6} {r['pagedattn_ms']:>12.1f} "
@@ -196,7 +209,8 @@ def main() -> None:
                 )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"commit": commit, "cpus": os.cpu_count(), "results": results}, f, indent=2)
+            json.dump({"commit": commit, "cpus": os.cpu_count(), "settle_s": args.settle, "results": results}, f,
+                      indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":
