@@ -3,8 +3,9 @@
 // Work is cut into tiles: up to kTileRows rows of one sequence and one KV head, where a
 // row is one (query token, query head of the KV head's group) pair, token-major. A tile
 // walks its keys in chunks of whole blocks (about kChunkKeys keys). Each chunk is read
-// from the paged cache and converted once for the whole tile (to float32, or repacked as
-// bfloat16 pairs), keys transposed to [D, chunk] and values to [chunk, D], then
+// from the paged cache and converted (to float32, or repacked as bfloat16 pairs), keys
+// transposed to [D, chunk] and values to [chunk, D]: once for all the tiles of a
+// (sequence, KV head) when it has several (SharedChunks), else by the tile itself. Then
 //   S = (scale * Q) . K^T        one blocked matrix product over the tile's rows,
 //   causal mask (diagonal chunks only; chunks wholly above the diagonal are never read),
 //   online softmax in float32 (running max and sum per row),
@@ -47,6 +48,22 @@ constexpr int kChunkKeys = 64;   // keys per chunk, rounded down to whole blocks
 constexpr int kMergeKeys = 256;  // keys summed in float32 before folding into float64
 constexpr int kColPad = 32;      // key-chunk and head-size columns are padded to this
 constexpr int kRowPad = 8;       // tile rows are padded to this
+// The most a call converts ahead for its groups of tiles at once (see SharedChunks); the
+// calling thread keeps a buffer of this size at most for its later calls. The variable
+// PAGEDATTN_CPU_SHARED_BYTES, read once, sets another size (0: no group is shared), for
+// tests and comparisons.
+constexpr std::size_t kSharedBytes = std::size_t{64} << 20;
+
+std::size_t shared_bytes() {
+  static const std::size_t bytes = [] {
+    const char* env = std::getenv("PAGEDATTN_CPU_SHARED_BYTES");
+    if (!env || !*env) return kSharedBytes;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    return *end == '\0' && v <= (std::size_t{1} << 40) ? static_cast<std::size_t>(v) : kSharedBytes;
+  }();
+  return bytes;
+}
 
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 
@@ -137,6 +154,8 @@ struct Kernels {
   void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int,
                bool);
   void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
+  void (*rescale_rows)(float*, std::int64_t, int, int, const float*);
+  void (*fold_rows)(double*, float*, std::int64_t, int, int, const float*, float*);
   // bfloat16 pair products; null where the CPU has no AVX512-BF16
   void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*,
                     std::int64_t, int, int, int, bool, float) = nullptr;
@@ -158,13 +177,15 @@ Kernels pick_kernels() {
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
   if (allowed(0) && avx512 && __builtin_cpu_supports("avx512bf16"))
-    return {avx512::gemm, avx512::softmax_chunk, bf16dot::gemm, bf16dot::to_bf16};
-  if (allowed(1) && avx512) return {avx512::gemm, avx512::softmax_chunk};
+    return {avx512::gemm,      avx512::softmax_chunk, avx512::rescale_rows,
+            avx512::fold_rows, bf16dot::gemm,         bf16dot::to_bf16};
+  if (allowed(1) && avx512)
+    return {avx512::gemm, avx512::softmax_chunk, avx512::rescale_rows, avx512::fold_rows};
   if (allowed(2) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {avx2::gemm, avx2::softmax_chunk};
+    return {avx2::gemm, avx2::softmax_chunk, avx2::rescale_rows, avx2::fold_rows};
 #endif
   (void)allowed;
-  return {generic::gemm, generic::softmax_chunk};
+  return {generic::gemm, generic::softmax_chunk, generic::rescale_rows, generic::fold_rows};
 }
 
 const Kernels& kernels() {
@@ -253,9 +274,21 @@ Scratch& scratch() {
   return s;
 }
 
+// One (sequence, KV head)'s keys and values, converted once for all of its tiles (a
+// tile of its own re-reads its whole context, and the context is read by every tile of
+// the group). Chunk i holds keys [first_key + i * chunk keys, ...) in the layout a tile
+// otherwise builds for itself in its scratch: kt [D, NC] then v [NC, Dp] floats, or, for
+// bfloat16 pair products, ktw [D/2, NC] then vw [NC/2, Dp] words.
+struct SharedChunks {
+  int first_key = 0;  // the group's first key read: its earliest row's window start, in whole blocks
+  int keys = 0;       // keys converted: [first_key, keys)
+  float* f = nullptr;
+  std::uint32_t* w = nullptr;
+};
+
 class TileTask {
  public:
-  TileTask(const DecodeParams& p, const Tile& t, const Kernels& k)
+  TileTask(const DecodeParams& p, const Tile& t, const Kernels& k, const SharedChunks* sh = nullptr)
       : p_(p),
         t_(t),
         k_(k),
@@ -276,22 +309,66 @@ class TileTask {
         bf_(k.gemm_bf16 && p.dtype == DType::kBFloat16 && p.kv_cache_dtype == KVCacheDType::kAuto &&
             p.head_size % 2 == 0),
         rs_(row_strides(p.layout, p.block_size, p.num_kv_heads, p.head_size)),
+        sh_(sh),
         s_(scratch()) {}
 
+  int chunk_keys() const { return chunk_blocks_ * B_; }
+  // The 4-byte words of one chunk's keys and values in the product layouts.
+  std::size_t key_words() const { return static_cast<std::size_t>(bf_ ? D_ / 2 : D_) * NC_; }
+  std::size_t value_words() const { return static_cast<std::size_t>(bf_ ? NC_ / 2 : NC_) * Dp_; }
+  std::size_t chunk_words() const { return key_words() + value_words(); }
+  bool pair_products() const { return bf_; }
+  // The first key this tile's rows read, in whole blocks (its earliest row's window start).
+  int first_key() const { return ws_ / B_ * B_; }
+
+  // Converts chunk i of sh (keys from sh.first_key up to sh.keys) for the whole group.
+  // Built on the group's tile of earliest rows, whose window start is the group's, so the
+  // keys before it are cleared as a tile of its own would clear them.
+  void convert(const SharedChunks& sh, int i) {
+    const int k0 = sh.first_key + i * chunk_keys();
+    const int n = std::min(chunk_keys(), sh.keys - k0);
+    read_block_ids(k0 / B_, (k0 + n - 1) / B_ + 1);
+    const std::size_t at = static_cast<std::size_t>(i) * chunk_words();
+    if (bf_) {
+      std::uint32_t* kt = sh.w + at;
+      std::fill(kt, kt + chunk_words(), 0u);
+      load_chunk_bf16(k0, n, kt, kt + key_words());
+      if (k0 < ws_) clear_keys_bf16(ws_ - k0, kt, kt + key_words());
+    } else {
+      float* kt = sh.f + at;
+      std::fill(kt, kt + chunk_words(), 0.0f);
+      load_chunk(k0, n, kt, kt + key_words());
+      if (k0 < ws_) clear_keys(ws_ - k0, kt, kt + key_words());
+    }
+  }
+
   void run() {
-    const int chunk_keys = chunk_blocks_ * B_;
-    const int first_key = ws_ / B_ * B_;  // chunks start at the window's first block
-    read_block_ids(first_key / B_);
+    const int chunk_keys = this->chunk_keys();
+    int first_key = this->first_key();  // chunks start at the window's first block
+    if (sh_)                            // or on the group's grid of shared chunks
+      first_key = sh_->first_key + (first_key - sh_->first_key) / chunk_keys * chunk_keys;
+    else
+      read_block_ids(first_key / B_, keys_ / B_ + (keys_ % B_ != 0));
     const auto mp = static_cast<std::size_t>(Mp_);
+    // The chunk buffers start cleared (a tile reading its own chunks relies on their
+    // padding being 0); with shared chunks only a copy of the values may be made here.
     if (bf_) {
       load_query_bf16();
-      s_.ktw.assign(static_cast<std::size_t>(D_ / 2) * NC_, 0u);
-      s_.vw.assign(static_cast<std::size_t>(NC_ / 2) * Dp_, 0u);
+      if (sh_) {
+        s_.vw.resize(value_words());
+      } else {
+        s_.ktw.assign(key_words(), 0u);
+        s_.vw.assign(value_words(), 0u);
+      }
       s_.pw.resize(mp * (NC_ / 2));
     } else {
       load_query();
-      s_.kt.assign(static_cast<std::size_t>(D_) * NC_, 0.0f);
-      s_.v.assign(static_cast<std::size_t>(NC_) * Dp_, 0.0f);
+      if (sh_) {
+        s_.v.resize(value_words());
+      } else {
+        s_.kt.assign(key_words(), 0.0f);
+        s_.v.assign(value_words(), 0.0f);
+      }
     }
     s_.s.resize(mp * NC_);
     s_.o32.assign(mp * Dp_, 0.0f);
@@ -304,29 +381,54 @@ class TileTask {
     int since_fold = 0;
     for (int k0 = first_key; k0 < keys_; k0 += chunk_keys) {
       const int n = std::min(chunk_keys, keys_ - k0);
-      // The next chunk's keys and values start coming in while this one is computed: the
-      // rows of a block table are scattered, so the hardware prefetchers do not see them.
-      if (k0 + chunk_keys < keys_)
-        prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
+      const std::size_t words =
+          sh_ ? static_cast<std::size_t>((k0 - sh_->first_key) / chunk_keys) * chunk_words() : 0;
+      if (!sh_) {
+        // The next chunk's keys and values start coming in while this one is computed:
+        // the rows of a block table are scattered, so the hardware prefetchers miss them.
+        if (k0 + chunk_keys < keys_)
+          prefetch_chunk(k0 + chunk_keys, std::min(chunk_keys, keys_ - k0 - chunk_keys));
+      }
+      // With shared chunks, the keys outside this tile's reach (before its window, after
+      // its last row) belong to the group's other rows: their logits are masked below,
+      // and the values are cleared in a copy of the chunk, so that not even a NaN among
+      // them reaches this tile's sums.
+      const int lo = std::max(0, ws_ - k0);
+      const bool own_values = sh_ && (lo > 0 || n < std::min(chunk_keys, sh_->keys - k0));
+      const void* values;
       if (bf_) {
-        load_chunk_bf16(k0, n);
-        if (k0 < ws_) clear_keys_bf16(ws_ - k0);
-        k_.gemm_bf16(s_.qw.data(), D_ / 2, s_.ktw.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false,
-                     p_.scale);
+        const std::uint32_t* kt = s_.ktw.data();
+        values = s_.vw.data();
+        if (sh_) {
+          kt = sh_->w + words;
+          values = own_values ? clear_values_bf16(sh_->w + words + key_words(), lo, n) : kt + key_words();
+        } else {
+          load_chunk_bf16(k0, n, s_.ktw.data(), s_.vw.data());
+          if (k0 < ws_) clear_keys_bf16(ws_ - k0, s_.ktw.data(), s_.vw.data());
+        }
+        k_.gemm_bf16(s_.qw.data(), D_ / 2, kt, NC_, s_.s.data(), NC_, Mp_, NC_, D_ / 2, false, p_.scale);
       } else {
-        load_chunk(k0, n);
-        if (k0 < ws_) clear_keys(ws_ - k0);
-        k_.gemm(s_.q.data(), D_, s_.kt.data(), NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
+        const float* kt = s_.kt.data();
+        values = s_.v.data();
+        if (sh_) {
+          kt = sh_->f + words;
+          values = own_values ? clear_values(sh_->f + words + key_words(), lo, n) : kt + key_words();
+        } else {
+          load_chunk(k0, n, s_.kt.data(), s_.v.data());
+          if (k0 < ws_) clear_keys(ws_ - k0, s_.kt.data(), s_.v.data());
+        }
+        k_.gemm(s_.q.data(), D_, kt, NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
       }
       bias_and_mask(k0, n);
       k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
       rescale();
       if (bf_) {
         k_.to_bf16(s_.s.data(), s_.pw.data(), static_cast<std::int64_t>(Mp_) * NC_);
-        k_.gemm_bf16(s_.pw.data(), NC_ / 2, s_.vw.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_ / 2, true,
-                     1.0f);
+        k_.gemm_bf16(s_.pw.data(), NC_ / 2, static_cast<const std::uint32_t*>(values), Dp_, s_.o32.data(),
+                     Dp_, Mp_, Dp_, NC_ / 2, true, 1.0f);
       } else {
-        k_.gemm(s_.s.data(), NC_, s_.v.data(), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_, true);
+        k_.gemm(s_.s.data(), NC_, static_cast<const float*>(values), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_,
+                true);
       }
       if (++since_fold == per_fold) {
         fold();
@@ -342,12 +444,12 @@ class TileTask {
   // Position of tile row m (token-major: m = r * G + g); padding rows take the last one.
   int pos(int m) const { return pos0_ + std::min(m / G_, R_ - 1); }
 
-  // Blocks [first, nb) (the entries before a window's first block are not read).
-  void read_block_ids(int first) {
-    const int nb = keys_ / B_ + (keys_ % B_ != 0);
+  // Blocks [first, last) of the sequence's table (entries before a window's first block
+  // are not read).
+  void read_block_ids(int first, int last) {
     const std::int32_t* row = p_.block_tables + static_cast<std::int64_t>(t_.seq) * p_.max_blocks_per_seq;
-    s_.blocks.resize(static_cast<std::size_t>(nb));
-    for (int b = first; b < nb; ++b) {
+    s_.blocks.resize(static_cast<std::size_t>(last));
+    for (int b = first; b < last; ++b) {
       const std::int32_t id = row[b];
       if (id < 0 || id >= p_.num_blocks)
         fail<OutOfRange>("block_tables[", t_.seq, ", ", b, "] = ", id,
@@ -423,14 +525,12 @@ class TileTask {
     }
   }
 
-  // As load_chunk, for the bfloat16 pair-product path: keys into ktw [D/2, NC] (pairs
-  // along D), values into vw [NC/2, Dp] (pairs along the keys); bytes copied, not converted.
-  void load_chunk_bf16(int k0, int n) {
-    std::uint32_t* kt = s_.ktw.data();
-    std::uint32_t* v = s_.vw.data();
+  // As load_chunk, for the bfloat16 pair-product path: keys into kt [D/2, NC] (pairs
+  // along D), values into v [NC/2, Dp] (pairs along the keys); bytes copied, not converted.
+  void load_chunk_bf16(int k0, int n, std::uint32_t* kt, std::uint32_t* v) {
     if (n < NC_) {  // the last chunk: clear what an earlier, fuller chunk left
-      std::fill(s_.ktw.begin(), s_.ktw.end(), 0u);
-      std::fill(s_.vw.begin(), s_.vw.end(), 0u);
+      std::fill(kt, kt + key_words(), 0u);
+      std::fill(v, v + value_words(), 0u);
     }
     const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
     s_.raw16.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, 2 * D_)));
@@ -498,9 +598,7 @@ class TileTask {
 
   // Keys [k0, k0 + n) (whole blocks but maybe the last) into kt [D, NC] and v [NC, Dp];
   // columns / rows n .. NC stay 0 so padding never meets the cache's unwritten slots.
-  void load_chunk(int k0, int n) {
-    float* kt = s_.kt.data();
-    float* v = s_.v.data();
+  void load_chunk(int k0, int n, float* kt, float* v) {
     const std::int64_t head_elems = static_cast<std::int64_t>(D_) * B_;
     s_.raw.resize(static_cast<std::size_t>(std::max<std::int64_t>(head_elems, D_)));
     float* raw = s_.raw.data();
@@ -546,24 +644,44 @@ class TileTask {
   // The keys [0, n) of the chunk (n from the chunk's start) lie before the tile's window:
   // they are zeroed, so whatever their slots hold (released blocks, NaN) never meets a
   // product (their logits are masked too).
-  void clear_keys(int n) {
+  void clear_keys(int n, float* kt, float* v) {
     n = std::min(n, NC_);
     for (int d = 0; d < D_; ++d) {
-      float* col = s_.kt.data() + static_cast<std::size_t>(d) * NC_;
+      float* col = kt + static_cast<std::size_t>(d) * NC_;
       std::fill(col, col + n, 0.0f);
     }
-    std::fill(s_.v.data(), s_.v.data() + static_cast<std::size_t>(n) * Dp_, 0.0f);
+    std::fill(v, v + static_cast<std::size_t>(n) * Dp_, 0.0f);
   }
-  void clear_keys_bf16(int n) {
+  void clear_keys_bf16(int n, std::uint32_t* kt, std::uint32_t* v) {
     n = std::min(n, NC_);
     for (int d = 0; d < D_ / 2; ++d) {
-      std::uint32_t* col = s_.ktw.data() + static_cast<std::size_t>(d) * NC_;
+      std::uint32_t* col = kt + static_cast<std::size_t>(d) * NC_;
       std::fill(col, col + n, 0u);
     }
     for (int key = 0; key < n; ++key) {
-      std::uint32_t* vr = s_.vw.data() + static_cast<std::size_t>(key / 2) * Dp_;
+      std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
       for (int d = 0; d < D_; ++d) set_half(vr[d], key, 0);
     }
+  }
+
+  // A copy of a shared chunk's values in this thread's scratch with the keys outside
+  // [lo, hi) cleared (see run).
+  const float* clear_values(const float* shared, int lo, int hi) {
+    float* v = s_.v.data();
+    std::copy(shared, shared + value_words(), v);
+    std::fill(v, v + static_cast<std::size_t>(lo) * Dp_, 0.0f);
+    std::fill(v + static_cast<std::size_t>(hi) * Dp_, v + value_words(), 0.0f);
+    return v;
+  }
+  const std::uint32_t* clear_values_bf16(const std::uint32_t* shared, int lo, int hi) {
+    std::uint32_t* v = s_.vw.data();
+    std::copy(shared, shared + value_words(), v);
+    for (int key = 0; key < NC_; ++key) {
+      if (key >= lo && key < hi) continue;
+      std::uint32_t* vr = v + static_cast<std::size_t>(key / 2) * Dp_;
+      for (int d = 0; d < D_; ++d) set_half(vr[d], key, 0);
+    }
+    return v;
   }
 
   // Soft cap, ALiBi (slope[h] * (t - p)) and the mask: key k0 + c is visible to row m
@@ -592,35 +710,11 @@ class TileTask {
   // Rows whose max rose: their float32 sum follows the new scale (the float64 total
   // catches up when it is folded). corr = 0: the first finite chunk of the row (or a jump
   // beyond float range): the sum restarts from 0.
-  void rescale() {
-    for (int m = 0; m < Mp_; ++m) {
-      const float c = s_.corr[row(m)];
-      if (c == 1.0f) continue;
-      float* o = s_.o32.data() + row(m) * Dp_;
-      if (c == 0.0f) {
-        std::fill(o, o + D_, 0.0f);
-      } else {
-        for (int d = 0; d < D_; ++d) o[d] *= c;
-      }
-    }
-  }
+  void rescale() { k_.rescale_rows(s_.o32.data(), Dp_, Mp_, D_, s_.corr.data()); }
 
   // total = total * exp(fold max - row max) + the float32 sum, which restarts at 0.
   void fold() {
-    for (int m = 0; m < Mp_; ++m) {
-      const float now = s_.row_max[row(m)];
-      float& was = s_.fold_max[row(m)];
-      const double f = was == now ? 1.0 : std::exp(static_cast<double>(was) - static_cast<double>(now));
-      was = now;
-      double* t = s_.o64.data() + row(m) * Dp_;
-      float* o = s_.o32.data() + row(m) * Dp_;
-      if (f == 1.0) {
-        for (int d = 0; d < D_; ++d) t[d] += o[d];
-      } else {
-        for (int d = 0; d < D_; ++d) t[d] = t[d] * f + o[d];
-      }
-      std::fill(o, o + D_, 0.0f);
-    }
+    k_.fold_rows(s_.o64.data(), s_.o32.data(), Dp_, Mp_, D_, s_.row_max.data(), s_.fold_max.data());
   }
 
   void write_out() {
@@ -647,8 +741,9 @@ class TileTask {
   const int ws_;  // the first key any row of the tile sees (0 without a window)
   const std::int64_t ce_;
   const int x_;
-  const bool bf_;  // bfloat16 pair products (see bf16dot)
-  const RowStrides rs_;  // token-major (nhd, hnd) rows inside a block
+  const bool bf_;           // bfloat16 pair products (see bf16dot)
+  const RowStrides rs_;     // token-major (nhd, hnd) rows inside a block
+  const SharedChunks* sh_;  // the group's converted chunks, or null: the tile reads its own
   Scratch& s_;
 };
 
@@ -672,9 +767,78 @@ void paged_attention_varlen(const DecodeParams& p) {
   }
   const int G = p.num_heads / p.num_kv_heads;
   const std::vector<Tile> tiles = make_tiles(p, std::max(1, kTileRows / G));
+  if (tiles.empty()) return;  // every sequence has 0 rows
   const Kernels& k = kernels();
-  parallel_for(static_cast<std::int64_t>(tiles.size()),
-               [&](std::int64_t i) { TileTask(p, tiles[static_cast<std::size_t>(i)], k).run(); });
+
+  // Groups: the tiles of one (sequence, KV head), stored together, earliest rows last. A
+  // group of several tiles has its context converted once (SharedChunks), in waves of
+  // groups whose conversions fit shared_bytes(); a group larger than that on its own, or
+  // of one tile, has each tile read its own chunks.
+  const std::size_t budget = shared_bytes();
+  struct Group {
+    std::size_t begin, end;  // its tiles
+    SharedChunks sh;
+    std::size_t words = 0;  // converted size (0: not shared)
+    int chunks = 0;
+  };
+  std::vector<Group> groups;
+  for (std::size_t i = 0; i < tiles.size();) {
+    std::size_t j = i + 1;
+    while (j < tiles.size() && tiles[j].seq == tiles[i].seq && tiles[j].kv_head == tiles[i].kv_head) ++j;
+    Group g{i, j, {}, 0, 0};
+    if (j - i >= 2) {
+      const TileTask first(p, tiles[j - 1], k);
+      g.sh.first_key = first.first_key();
+      g.sh.keys = tiles[i].seq_len;
+      g.chunks = (g.sh.keys - g.sh.first_key + first.chunk_keys() - 1) / first.chunk_keys();
+      const std::size_t words = static_cast<std::size_t>(g.chunks) * first.chunk_words();
+      if (words * sizeof(float) <= budget) g.words = words;
+    }
+    groups.push_back(g);
+    i = j;
+  }
+  const bool pairs = TileTask(p, tiles.front(), k).pair_products();
+  thread_local std::vector<float> shared_f;
+  thread_local std::vector<std::uint32_t> shared_w;
+  for (std::size_t g0 = 0; g0 < groups.size();) {
+    std::size_t g1 = g0, words = 0;
+    while (g1 < groups.size() && (words + groups[g1].words) * sizeof(float) <= budget)
+      words += groups[g1++].words;
+    if (pairs) {
+      if (shared_w.size() < words) shared_w.resize(words);
+    } else if (shared_f.size() < words) {
+      shared_f.resize(words);
+    }
+    struct Job {
+      std::size_t group;
+      int chunk;
+    };
+    std::vector<Job> jobs;
+    std::vector<const SharedChunks*> of_tile;  // per tile of the wave
+    std::size_t at = 0;
+    for (std::size_t g = g0; g < g1; ++g) {
+      Group& gr = groups[g];
+      if (gr.words) {
+        gr.sh.f = pairs ? nullptr : shared_f.data() + at;
+        gr.sh.w = pairs ? shared_w.data() + at : nullptr;
+        at += gr.words;
+        for (int c = 0; c < gr.chunks; ++c) jobs.push_back({g, c});
+      }
+      for (std::size_t t = gr.begin; t < gr.end; ++t) of_tile.push_back(gr.words ? &gr.sh : nullptr);
+    }
+    if (!jobs.empty())
+      parallel_for(static_cast<std::int64_t>(jobs.size()), [&](std::int64_t i) {
+        const Job& job = jobs[static_cast<std::size_t>(i)];
+        const Group& gr = groups[job.group];
+        TileTask(p, tiles[gr.end - 1], k).convert(gr.sh, job.chunk);
+      });
+    const std::size_t first_tile = groups[g0].begin;
+    parallel_for(static_cast<std::int64_t>(of_tile.size()), [&](std::int64_t i) {
+      const auto t = static_cast<std::size_t>(i);
+      TileTask(p, tiles[first_tile + t], k, of_tile[t]).run();
+    });
+    g0 = g1;
+  }
 }
 
 }  // namespace pagedattn::cpu

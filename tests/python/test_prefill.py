@@ -221,6 +221,31 @@ def test_long_context_stays_accurate(rng):
         check(p, qsl, BF16)
 
 
+@pytest.mark.parametrize(("token", "window"), [(120, 0), (140, 64)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_a_token_stays_out_of_other_tiles(rng, dtype, layout, token, window):
+    """A prompt of five tiles per KV head (64 tokens each with a group of 4, counted from
+    the last row: [236, 300), [172, 236), [108, 172), [44, 108), [0, 44)), whose context
+    is converted once for all of them, in chunks that straddle the tiles' edges. NaN
+    written as one token's key and value stays inside the tiles that attend to it: the
+    tiles before it, and with a window the tile whose windows have passed it, are exact,
+    though the shared chunk holding the token is read by them."""
+    n, d = 300, 64
+    p, qsl = make_varlen(rng, [n], [n], num_heads=8, num_kv_heads=2, head_size=d, dtype=dtype, layout=layout)
+    ref = paged_attention_ref(*p.args(), query_start_loc=qsl, sliding_window=window)
+    nan = np.full((1, 2, d), np.nan, dtype)
+    slot = np.array([p.block_tables[0, token // 16] * 16 + token % 16], np.int64)
+    pagedattn.reference.reshape_and_cache_ref(nan, nan, p.key_cache, p.value_cache, slot, layout=layout)
+    out = pagedattn.paged_attention(*p.args(), query_start_loc=qsl, sliding_window=window)
+    rows = np.arange(n)
+    clean = (rows < 108) | ((window > 0) & (rows >= 236))
+    assert_close(out[clean], ref[clean], dtype)
+    # the rows that attend to the token do take its NaN
+    sees = (rows >= token) & ((window == 0) | (rows - window + 1 <= token))
+    assert np.isnan(out[sees].astype(np.float64)).all()
+
+
 def test_matches_dense_causal_attention(rng):
     """A whole prompt: the rows of paged_attention(query_start_loc) equal causal attention
     over the unpaged K / V (what the cache was written from)."""
@@ -238,6 +263,41 @@ def test_matches_dense_causal_attention(rng):
     out = pagedattn.paged_attention(q, kc, vc, table, lens, query_start_loc=qsl)
     ref = causal_attention(q.astype(np.float64), keys.astype(np.float64), values.astype(np.float64), 1 / np.sqrt(d))
     assert_close(out, ref, np.float32)
+
+
+@pytest.mark.parametrize("budget", ["0", "200000"])
+def test_shared_context_budget(rng, budget):
+    """PAGEDATTN_CPU_SHARED_BYTES caps the context converted ahead at once. At 0 every tile
+    reads its own chunks; at 200 kB (32 kB a chunk of 64 keys here) the 300-token groups
+    share theirs in several waves and the 1000-token groups (512 kB each) do not. Either
+    way, every dtype, layout and window gives the float64 numbers."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        sys.path.insert(0, sys.argv[1])
+        from conftest import DTYPES, LAYOUTS, assert_close
+        from test_prefill import MIXED, make_varlen
+        from pagedattn.reference import paged_attention_ref
+        import pagedattn
+        rng = np.random.default_rng(int(sys.argv[2]))
+        lens, qs = zip(*(MIXED + [(300, 300), (1000, 200), (300, 150)]))
+        for dtype in DTYPES:
+            for layout in LAYOUTS:
+                for window in (0, 100):
+                    p, qsl = make_varlen(rng, lens, qs, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype,
+                                         layout=layout)
+                    out = pagedattn.paged_attention(*p.args(), query_start_loc=qsl, sliding_window=window)
+                    ref = paged_attention_ref(*p.args(), query_start_loc=qsl, sliding_window=window)
+                    assert_close(out, ref, dtype, f"{dtype} {layout} window={window}")
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PAGEDATTN_CPU_SHARED_BYTES=budget)
+    r = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
+                        str(rng.integers(2**31))],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------------------
