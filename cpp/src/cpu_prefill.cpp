@@ -48,6 +48,7 @@ constexpr int kChunkKeys = 64;   // keys per chunk, rounded down to whole blocks
 constexpr int kMergeKeys = 256;  // keys summed in float32 before folding into float64
 constexpr int kColPad = 32;      // key-chunk and head-size columns are padded to this
 constexpr int kRowPad = 8;       // tile rows are padded to this
+constexpr int kSumLanes = 16;    // floats per row for the softmax's partial sums (the widest vector)
 // The most a call converts ahead for its groups of tiles at once (see SharedChunks); the
 // calling thread keeps a buffer of this size at most for its later calls. The variable
 // PAGEDATTN_CPU_SHARED_BYTES, read once, sets another size (0: no group is shared), for
@@ -153,9 +154,9 @@ void to_bf16(const float* src, std::uint32_t* dst, std::int64_t n) {
 struct Kernels {
   void (*gemm)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, int, int, int,
                bool);
-  void (*softmax_chunk)(float*, std::int64_t, int, int, float*, double*, float*);
+  void (*softmax_chunk)(float*, std::int64_t, int, int, float*, float*, float*);
   void (*rescale_rows)(float*, std::int64_t, int, int, const float*);
-  void (*fold_rows)(double*, float*, std::int64_t, int, int, const float*, float*);
+  void (*fold_rows)(double*, float*, std::int64_t, int, int, const float*, float*, double*, float*);
   // bfloat16 pair products; null where the CPU has no AVX512-BF16
   void (*gemm_bf16)(const std::uint32_t*, std::int64_t, const std::uint32_t*, std::int64_t, float*,
                     std::int64_t, int, int, int, bool, float) = nullptr;
@@ -257,7 +258,8 @@ struct Scratch {
   std::vector<double> o64;  // [Mp, Dp]: float64 total, relative to fold_max
   std::vector<float> row_max, corr;
   std::vector<float> fold_max;  // [Mp]: the row max o64 was last scaled to
-  std::vector<double> row_sum;
+  std::vector<double> row_sum;  // [Mp]: the softmax denominators, relative to fold_max
+  std::vector<float> sums;      // [Mp, kSumLanes]: their float32 parts since the last fold
   std::vector<float> raw;  // one block of one head as float32, in cache order
   // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
   // inner dimension.
@@ -371,11 +373,12 @@ class TileTask {
       }
     }
     s_.s.resize(mp * NC_);
-    s_.o32.assign(mp * Dp_, 0.0f);
+    s_.o32.resize(mp * Dp_);  // written by the first product after each fold
     s_.o64.assign(mp * Dp_, 0.0);
     s_.row_max.assign(mp, -INFINITY);
     s_.fold_max.assign(mp, -INFINITY);
     s_.row_sum.assign(mp, 0.0);
+    s_.sums.assign(mp * kSumLanes, 0.0f);
     s_.corr.resize(mp);
     const int per_fold = std::max(1, kMergeKeys / chunk_keys);
     int since_fold = 0;
@@ -420,22 +423,25 @@ class TileTask {
         k_.gemm(s_.q.data(), D_, kt, NC_, s_.s.data(), NC_, Mp_, NC_, D_, false);
       }
       bias_and_mask(k0, n);
-      k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.row_sum.data(), s_.corr.data());
-      rescale();
+      k_.softmax_chunk(s_.s.data(), NC_, Mp_, NC_, s_.row_max.data(), s_.sums.data(), s_.corr.data());
+      // The float32 sums hold nothing since the last fold (or the start): the product
+      // overwrites them, and there is nothing to rescale.
+      const bool fresh = since_fold == 0;
+      if (!fresh) rescale();
       if (bf_) {
         k_.to_bf16(s_.s.data(), s_.pw.data(), static_cast<std::int64_t>(Mp_) * NC_);
         k_.gemm_bf16(s_.pw.data(), NC_ / 2, static_cast<const std::uint32_t*>(values), Dp_, s_.o32.data(),
-                     Dp_, Mp_, Dp_, NC_ / 2, true, 1.0f);
+                     Dp_, Mp_, Dp_, NC_ / 2, !fresh, 1.0f);
       } else {
         k_.gemm(s_.s.data(), NC_, static_cast<const float*>(values), Dp_, s_.o32.data(), Dp_, Mp_, Dp_, NC_,
-                true);
+                !fresh);
       }
       if (++since_fold == per_fold) {
         fold();
         since_fold = 0;
       }
     }
-    fold();
+    if (since_fold > 0) fold();
     write_out();
   }
 
@@ -712,9 +718,10 @@ class TileTask {
   // beyond float range): the sum restarts from 0.
   void rescale() { k_.rescale_rows(s_.o32.data(), Dp_, Mp_, D_, s_.corr.data()); }
 
-  // total = total * exp(fold max - row max) + the float32 sum, which restarts at 0.
+  // total = total * exp(fold max - row max) + the float32 sum, which then counts as 0.
   void fold() {
-    k_.fold_rows(s_.o64.data(), s_.o32.data(), Dp_, Mp_, D_, s_.row_max.data(), s_.fold_max.data());
+    k_.fold_rows(s_.o64.data(), s_.o32.data(), Dp_, Mp_, D_, s_.row_max.data(), s_.fold_max.data(),
+                 s_.row_sum.data(), s_.sums.data());
   }
 
   void write_out() {
