@@ -262,7 +262,7 @@ def test_per_thread_default_streams_keep_their_own_counters(rng):
     tqsl = to_torch(qsl)
     alone = pagedattn.paged_attention(*args, query_start_loc=tqsl)
     torch.cuda.synchronize()
-    outs = [[torch.full_like(alone, float("nan")) for _ in range(8)] for _ in range(2)]
+    outs = [[torch.full_like(alone, float("nan")) for _ in range(32)] for _ in range(2)]
     torch.cuda.synchronize()
     errors = []
 
