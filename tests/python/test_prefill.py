@@ -265,6 +265,15 @@ def test_matches_dense_causal_attention(rng):
     assert_close(out, ref, np.float32)
 
 
+def run_in_fresh_interpreter(rng, script, **env):
+    """Runs script (argv: this folder, a seed) in a new interpreter with the environment
+    variables env set (the library reads them once per process); it must print ok."""
+    r = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
+                        str(rng.integers(2**31))],
+                       env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("budget", ["0", "200000"])
 def test_shared_context_budget(rng, budget):
     """PAGEDATTN_CPU_SHARED_BYTES caps the context converted ahead at once. At 0 every tile
@@ -293,11 +302,7 @@ def test_shared_context_budget(rng, budget):
         print("ok")
         """
     )
-    env = dict(os.environ, PAGEDATTN_CPU_SHARED_BYTES=budget)
-    r = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
-                        str(rng.integers(2**31))],
-                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    run_in_fresh_interpreter(rng, script, PAGEDATTN_CPU_SHARED_BYTES=budget)
 
 
 # --------------------------------------------------------------------------------------
@@ -328,11 +333,7 @@ def test_instruction_set_variants(rng, isa):
         print("ok")
         """
     )
-    env = dict(os.environ, PAGEDATTN_CPU_ISA=isa)
-    r = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
-                        str(rng.integers(2**31))],
-                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    run_in_fresh_interpreter(rng, script, PAGEDATTN_CPU_ISA=isa)
 
 
 # --------------------------------------------------------------------------------------
