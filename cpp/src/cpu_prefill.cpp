@@ -25,6 +25,7 @@
 // A batch whose every sequence has one query row is the decode problem itself and goes
 // to the decode path, so it returns the decode call's numbers exactly.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -50,7 +51,7 @@ constexpr int kColPad = 32;      // key-chunk and head-size columns are padded t
 constexpr int kRowPad = 8;       // tile rows are padded to this
 constexpr int kSumLanes = 16;    // floats per row for the softmax's partial sums (the widest vector)
 // The most a call converts ahead for its groups of tiles at once (see SharedChunks); the
-// calling thread keeps a buffer of this size at most for its later calls. The variable
+// process keeps a buffer of this size at most for later calls (SharedStore). The variable
 // PAGEDATTN_CPU_SHARED_BYTES, read once, sets another size (0: no group is shared), for
 // tests and comparisons.
 constexpr std::size_t kSharedBytes = std::size_t{64} << 20;
@@ -260,7 +261,7 @@ struct Scratch {
   std::vector<float> fold_max;  // [Mp]: the row max o64 was last scaled to
   std::vector<double> row_sum;  // [Mp]: the softmax denominators, relative to fold_max
   std::vector<float> sums;      // [Mp, kSumLanes]: their float32 parts since the last fold
-  std::vector<float> raw;  // one block of one head as float32, in cache order
+  std::vector<float> raw;       // one block of one head as float32, in cache order
   // The bfloat16 pair-product path: 32-bit words, each two bfloat16 along the product's
   // inner dimension.
   std::vector<std::uint32_t> qw;     // [Mp, D/2]: query pairs along D (unscaled)
@@ -286,6 +287,38 @@ struct SharedChunks {
   int keys = 0;       // keys converted: [first_key, keys)
   float* f = nullptr;
   std::uint32_t* w = nullptr;
+};
+
+// The buffers of the conversions: the process keeps one pair for later calls (at most
+// shared_bytes() is ever asked of them), taken without waiting; a call that finds them in
+// use by another thread's call takes buffers of its own for the call. No lock is held, so a
+// child forked while a call ran only ever takes buffers of its own.
+class SharedStore {
+ public:
+  SharedStore() : kept_(!busy().exchange(true, std::memory_order_acquire)) {}
+  ~SharedStore() {
+    if (kept_) busy().store(false, std::memory_order_release);
+  }
+  SharedStore(const SharedStore&) = delete;
+  SharedStore& operator=(const SharedStore&) = delete;
+  std::vector<float>& f() { return kept_ ? kept().f : own_.f; }
+  std::vector<std::uint32_t>& w() { return kept_ ? kept().w : own_.w; }
+
+ private:
+  struct Buffers {
+    std::vector<float> f;
+    std::vector<std::uint32_t> w;
+  };
+  static std::atomic<bool>& busy() {
+    static std::atomic<bool> b{false};
+    return b;
+  }
+  static Buffers& kept() {
+    static Buffers b;
+    return b;
+  }
+  const bool kept_;
+  Buffers own_;
 };
 
 class TileTask {
@@ -805,8 +838,9 @@ void paged_attention_varlen(const DecodeParams& p) {
     i = j;
   }
   const bool pairs = TileTask(p, tiles.front(), k).pair_products();
-  thread_local std::vector<float> shared_f;
-  thread_local std::vector<std::uint32_t> shared_w;
+  SharedStore store;
+  std::vector<float>& shared_f = store.f();
+  std::vector<std::uint32_t>& shared_w = store.w();
   for (std::size_t g0 = 0; g0 < groups.size();) {
     std::size_t g1 = g0, words = 0;
     while (g1 < groups.size() && (words + groups[g1].words) * sizeof(float) <= budget)

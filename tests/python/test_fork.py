@@ -36,8 +36,23 @@ _SETUP = textwrap.dedent(
     EXPECTED = paged_attention_ref(*ARGS)
     def check(out):
         return bool(np.allclose(out, EXPECTED, atol=2e-5, rtol=2e-5))
+    # A varlen call whose sequence spans two tiles per KV head (160 rows, groups of 2): its
+    # context is converted once, into the buffer the process keeps for later calls.
+    VQ = rng.standard_normal((160, H, D)).astype(np.float32)
+    VARGS = (VQ, kc, vc, rng.permutation(N)[:10].reshape(1, 10).astype(np.int32), np.array([160], np.int32))
+    QSL = np.array([0, 160], np.int32)
+    EXPECTED_V = paged_attention_ref(*VARGS, query_start_loc=QSL)
     """
 )
+
+# The call each scenario repeats: call() and good(out) -> bool.
+_CALLS = {
+    "decode": "call = lambda: pagedattn.paged_attention(*ARGS)\ngood = check\n",
+    "varlen": (
+        "call = lambda: pagedattn.paged_attention(*VARGS, query_start_loc=QSL)\n"
+        "good = lambda out: bool(np.allclose(out, EXPECTED_V, atol=2e-5, rtol=2e-5))\n"
+    ),
+}
 
 
 def _run(body: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
@@ -83,19 +98,23 @@ def _asan_runtime_loaded() -> bool:
 # SizeClassAllocator64::GetFromAllocator). glibc's malloc takes its locks around fork, so
 # the plain build runs this test; the sanitizer run skips it.
 @pytest.mark.skipif(_asan_runtime_loaded(), reason="ASan's allocator is not fork-safe with threads running")
-def test_fork_while_another_thread_is_inside_a_call():
+@pytest.mark.parametrize("kind", ["decode", "varlen"])
+def test_fork_while_another_thread_is_inside_a_call(kind):
     # A thread keeps the pool busy; the main thread forks repeatedly, so forks land in
-    # the middle of calls (pool locks held, workers mid-task). Every child must compute
-    # the right answer, and nothing may hang.
+    # the middle of calls (pool locks held, workers mid-task; for varlen, the kept
+    # conversion buffer taken). Every child must compute the right answer, and nothing
+    # may hang.
     r = _run(
-        """
+        _CALLS[kind]
+        + textwrap.dedent(
+            """
         stop = threading.Event()
         calls = [0]
         errors = []
         def hammer():
             try:
                 while not stop.is_set():
-                    if not check(pagedattn.paged_attention(*ARGS)):
+                    if not good(call()):
                         errors.append("wrong answer in the parent's thread")
                     calls[0] += 1
             except BaseException as e:
@@ -111,7 +130,7 @@ def test_fork_while_another_thread_is_inside_a_call():
             if pid == 0:
                 ok = True
                 for _ in range(3):
-                    ok = ok and check(pagedattn.paged_attention(*ARGS))
+                    ok = ok and good(call())
                 os._exit(0 if ok else 1)
             deadline = time.monotonic() + 30
             while True:
@@ -135,6 +154,7 @@ def test_fork_while_another_thread_is_inside_a_call():
         assert calls[0] > forks // 4, calls[0]
         print("OK", calls[0])
         """
+        )
     )
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert r.stdout.startswith("OK")

@@ -265,6 +265,41 @@ def test_matches_dense_causal_attention(rng):
     assert_close(out, ref, np.float32)
 
 
+def test_concurrent_calls_from_threads(rng):
+    """Host threads calling at once, each on its own problem: one call holds the conversion
+    buffer the process keeps, the others convert into buffers of their own, and every
+    output is bit for bit that thread's call alone (a shared buffer would mix the threads'
+    contexts)."""
+    import threading
+
+    problems = [make_varlen(rng, [600, 300], [600, 300], num_heads=8, num_kv_heads=2, head_size=64)
+                for _ in range(3)]  # fmt: skip
+    alone = []
+    for p, qsl in problems:
+        alone.append(check(p, qsl, np.float32))
+    outs = [[] for _ in problems]
+    errors = []
+
+    def work(i):
+        p, qsl = problems[i]
+        try:
+            for _ in range(6):
+                outs[i].append(pagedattn.paged_attention(*p.args(), query_start_loc=qsl))
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(problems))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, mine in enumerate(outs):
+        assert len(mine) == 6
+        for out in mine:
+            np.testing.assert_array_equal(out, alone[i])
+
+
 def run_in_fresh_interpreter(rng, script, **env):
     """Runs script (argv: this folder, a seed) in a new interpreter with the environment
     variables env set (the library reads them once per process); it must print ok."""
