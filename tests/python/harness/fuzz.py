@@ -290,9 +290,11 @@ def _draw_cache_kind(d: Draw) -> tuple:
     return rng, dtype, kv, layout, cache_dt, 16 // cache_dt.itemsize
 
 
-def make_decode_problem(d: Draw, variants: bool = False, nan_sinks: bool = True) -> DecodeProblem:
+def make_decode_problem(d: Draw, variants: bool = False, nan_sinks: bool = True, long: bool = False) -> DecodeProblem:
+    """long: sequences of 150-400 tokens (a varlen prompt then spans several CPU tiles per KV
+    head, whose context is converted once for all of them)."""
     rng, dtype, kv, layout, cache_dt, x = _draw_cache_kind(d)
-    big = d.bool(0.05)  # the CPU limits on head size and block size
+    big = d.bool(0.05) and not long  # the CPU limits on head size and block size
     K = d.int(1, 3)
     G = d.choice([1, 1, 2, 3, 4])
     if layout == "vllm":
@@ -308,6 +310,9 @@ def make_decode_problem(d: Draw, variants: bool = False, nan_sinks: bool = True)
         else:
             B = SUPPORTED["cpu_max_block_size"]
     lens = [_seq_len(d, B) for _ in range(S)]
+    if long:
+        S = min(S, 2)
+        lens = [d.int(150, 400) for _ in range(S)]
     if big:
         lens = [min(n, 2 * B) for n in lens]
     need = [-(-n // B) for n in lens]
@@ -1903,7 +1908,7 @@ def fuzz_command_line(d: Draw) -> Outcome:
 def make_varlen_problem(d: Draw) -> tuple:
     """A decode problem turned varlen: q_i in [0, seq_len] rows per sequence (0, 1, all or
     any), a [T, H, D] query and its query_start_loc. Returns (problem, qsl)."""
-    p = make_decode_problem(d, variants=True, nan_sinks=False)
+    p = make_decode_problem(d, variants=True, nan_sinks=False, long=d.bool(0.1))
     lens = p.seq_lens.tolist()
     q_lens = [d.choice([0, 1, n, d.int(0, n)]) if n else 0 for n in lens]
     qsl = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)]).astype(np.int32)
