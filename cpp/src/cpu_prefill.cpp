@@ -727,6 +727,11 @@ class TileTask {
   // when c < n (a real key of the chunk, not padding), k0 + c <= pos(m) (causal) and,
   // with a window W, k0 + c >= pos(m) - W + 1.
   void bias_and_mask(int k0, int n) {
+    // Most chunks: every row sees every column (no padding, no key past the first row's
+    // position, none before the last row's window) and there is no cap or bias to add.
+    if (n == NC_ && k0 + n - 1 <= pos0_ && window_start(p_.sliding_window, pos(Mp_ - 1)) <= k0 &&
+        !(p_.soft_cap > 0.0f) && !p_.alibi_slopes)
+      return;
     for (int m = 0; m < Mp_; ++m) {
       float* s = s_.s.data() + row(m) * NC_;
       const int p = pos(m);
