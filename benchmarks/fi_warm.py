@@ -16,22 +16,18 @@ else:
     CASES = tuple((dt, dt, h, k, d) for dt, h, k, d in SHAPES)
 
 for dt, kv_dt, heads, kv, d in CASES:
-    for tc in (True, False):
-        ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-        indptr = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
-        w.plan(
-            indptr,
-            torch.arange(4, dtype=torch.int32, device="cuda"),
-            torch.tensor([16], dtype=torch.int32, device="cuda"),
-            heads,
-            kv,
-            d,
-            16,
-            q_data_type=dt,
-            kv_data_type=kv_dt,
-        )
-        k = torch.randn(4, 16, kv, d, dtype=dt, device="cuda").to(kv_dt)
-        w.run(torch.randn(1, heads, d, dtype=dt, device="cuda"), (k, k))
-        torch.cuda.synchronize()
+    for tc in (False, True):
+        try:
+            ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+            indptr = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+            ids = torch.arange(4, dtype=torch.int32, device="cuda")
+            last = torch.tensor([16], dtype=torch.int32, device="cuda")
+            w.plan(indptr, ids, last, heads, kv, d, 16, q_data_type=dt, kv_data_type=kv_dt)
+            k = torch.randn(4, 16, kv, d, dtype=dt, device="cuda").to(kv_dt)
+            w.run(torch.randn(1, heads, d, dtype=dt, device="cuda"), (k, k))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a module that does not build must not stop the others
+            print("failed", dt, kv_dt, heads, kv, d, "tc" if tc else "cc", type(e).__name__, flush=True)
+            continue
         print("compiled", dt, kv_dt, heads, kv, d, "tc" if tc else "cc", flush=True)

@@ -62,6 +62,9 @@ def _fp8_caches(torch: Any, inp: dict, shape: Shape) -> dict:
     return out
 
 
+_UNAVAILABLE: dict[str, str] = {}  # FlashInfer paths that failed (a JIT build is not retried)
+
+
 def _impls(torch: Any, shape: Shape, inp: dict, fp8: dict, use_flashinfer: bool) -> dict[str, Callable[[], Any]]:
     import pagedattn
 
@@ -105,12 +108,16 @@ def _impls(torch: Any, shape: Shape, inp: dict, fp8: dict, use_flashinfer: bool)
     for kind, (kc, vc, scales) in caches.items():
         for tc in (True, False):
             name = f"flashinfer-{'tc' if tc else 'cc'}-{kind}"
+            if name in _UNAVAILABLE:  # its JIT build failed on an earlier shape: not tried again
+                print(f"{name} unavailable for {shape.name}: {_UNAVAILABLE[name]}")
+                continue
             try:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fi_ws, "NHD", use_tensor_cores=tc)
                 w.plan(indptr, indices, last, H, K, D, B, q_data_type=q.dtype, kv_data_type=kc.dtype)
                 w.run(q, (kc, vc), **scales)
             except Exception as e:  # noqa: BLE001 - a failing peer must not stop the run
-                print(f"{name} unavailable for {shape.name}: {type(e).__name__}: {e}")
+                print(f"{name} unavailable for {shape.name}: {type(e).__name__}: {str(e)[:300]}")
+                _UNAVAILABLE[name] = f"{type(e).__name__} on an earlier shape"
                 continue
             impls[name] = lambda w=w, kc=kc, vc=vc, scales=scales: w.run(q, (kc, vc), **scales)
     return impls
