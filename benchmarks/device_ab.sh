@@ -6,6 +6,8 @@
 # turn, PA_HOST_ROUNDS times (default 3). Results in $OUT/ab.txt.
 #   PA_AB_BASE=.ab/base PA_AB_STAGES="test sanitize ab sweep host" bash benchmarks/device_ab.sh
 #   PA_AB_EXTRA="w8=-DPAGEDATTN_MMA_WARPS=8" PA_AB_RUNS="base=base w8=w8" bash benchmarks/device_ab.sh
+# PA_AB_SCRIPT names the timing script of the "ab" stage (default ab_time.py; fp8_ab.py times
+# the fp8 decode shapes).
 # The "prefill" stage times prefill_bench.py --pagedattn-only ($PA_PREFILL_ARGS) with each
 # build in turn, twice, and prints the ratios.
 set -u
@@ -56,7 +58,7 @@ if has ab; then
   for round in 1 2; do
     for r in $runs; do
       tag=${r%%=*}; spec=${r#*=}; b=${spec%%+*}; envs=(); [[ $spec == *+* ]] && envs=(${spec#*+})
-      env "${envs[@]}" PYTHONPATH=/tmp/ab-$b:$REPO/benchmarks timeout 150 python3 "$REPO/benchmarks/ab_time.py" "$tag$round" \
+      env "${envs[@]}" PYTHONPATH=/tmp/ab-$b:$REPO/benchmarks timeout 300 python3 "$REPO/benchmarks/${PA_AB_SCRIPT:-ab_time.py}" "$tag$round" \
         ${PA_AB_ARGS:-} >> "$S" 2>&1
     done
   done

@@ -49,6 +49,11 @@ namespace pagedattn::cuda_backend {
 #ifndef PAGEDATTN_MMA_FP8_STAGES
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
+// Warps per CTA of the transposed fp8 kernels (N8): their registers fit 16 warps per
+// multiprocessor, as 4 CTAs of 4 warps or 2 of 8.
+#ifndef PAGEDATTN_MMA_FP8_WARPS
+#define PAGEDATTN_MMA_FP8_WARPS 4
+#endif
 
 // The stage room the line-rounded blocks of small_page_stride() add: the most over pages
 // of 2, 4 and 8 (for generic head sizes, 16 / B blocks of up to 112 bytes).
@@ -75,7 +80,7 @@ constexpr int small_page_pad(int D, int E) {
 // landed; empty: every thread done reading). Keys stay in each warp's own ring.
 template <class T, KVCacheDType F, int HEAD, CacheLayout L, bool S = false, bool N8 = false, bool W = false>
 struct MmaDecodeConfig {
-  static constexpr int kWarps = PAGEDATTN_MMA_WARPS;
+  static constexpr int kWarps = N8 ? PAGEDATTN_MMA_FP8_WARPS : PAGEDATTN_MMA_WARPS;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = N8 ? 8 : 16;  // query heads per CTA (mma M, or N when transposed)
   static constexpr int kTok = 16;   // tokens per chunk (mma K of P.V)
@@ -120,13 +125,14 @@ struct MmaDecodeConfig {
   // small-page kernel (S) keeps nhd's rates, fitted when it copied per-token keys as nhd
   // does (an H100 sweep of pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where
   // 1024-token partitions took 200-235); not re-fitted since it copies whole key slabs.
-  static constexpr double kCtaBw = L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
-                                                                 : (kE == 2 ? 13.0e3 : 8.5e3);
+  static constexpr double kCtaBw = (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
+                                                                  : (kE == 2 ? 13.0e3 : 8.5e3)) *
+                                   (N8 ? kWarps / 4.0 : 1.0);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
   // sizes 64, 96 and 128 fit 4 (128 registers) without spilling: a third more warps to hide
   // the fp8 loop's latency. The others spill at 128 (72-262 bytes) and keep no bound.
-  static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 4 : 1;
+  static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 16 / kWarps : 1;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
   // Transposed (N8), a thread writes single floats of two heads 2c, 2c + 1 at 8 dims:
