@@ -3,6 +3,10 @@ bf16 caches) with the pagedattn found on sys.path, one line per call in device_a
 so that builds can be compared side by side (GPU machine only).
 
     python3 benchmarks/fp8_ab.py TAG [--shapes=sub1,sub2] [--reps=30]
+    python3 benchmarks/fp8_ab.py --sweep [--shapes=...] [--nps=1,2,3,4]
+
+--sweep times each fp8 shape and layout at the automatic plan and at the given partition
+counts instead (the planner's choice against the best fixed plan).
 """
 
 import sys
@@ -11,8 +15,38 @@ from fp8_decode_bench import run, shapes
 from small_shapes import parse_args
 
 
+def sweep(only, nps, reps):
+    import torch
+    from fp8_decode_bench import _fp8_caches
+
+    import pagedattn
+    from pagedattn.bench.kernels import Timer, _make_inputs
+
+    timer = Timer(torch, reps, 3, "read")
+    for i, shape in enumerate(s for s in shapes() if not only or any(k in s.name for k in only)):
+        inp = _make_inputs(torch, shape, seed=99 + i)
+        fp8 = _fp8_caches(torch, inp, shape)
+        q, tables, lens, ctx = inp["q"], inp["tables"], inp["lens"], shape.context
+        out = torch.empty_like(q)
+        for layout in ("vllm", "nhd"):
+            kw = dict(out=out, kv_cache_dtype="fp8_e4m3", k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
+            args = (q, fp8[f"k_{layout}"], fp8[f"v_{layout}"], tables, lens)
+            row = [f"auto {timer.gpu_us(pagedattn.prepare_decode(*args, **kw).run):.1f}"]
+            for np_ in nps:
+                ps = max(64, -(-(-(-ctx // np_)) // 16) * 16)
+                plan = dict(kernel="single_pass") if np_ == 1 else dict(kernel="partitioned", partition_size=ps)
+                row.append(f"{np_}:{timer.gpu_us(pagedattn.prepare_decode(*args, **kw, **plan).run):.1f}")
+            name = shape.name.split(" (")[0].replace("gqa32/8 ", "")
+            print(f"sweep {name} {layout}-fp8 " + " ".join(row), flush=True)
+        del inp, fp8, out
+        torch.cuda.empty_cache()
+
+
 def main():
     opts, tag, only = parse_args(sys.argv[1:])
+    if "--sweep" in sys.argv:
+        nps = [int(x) for x in opts.get("nps", "1,2,3,4,6,8").split(",")]
+        return sweep(only, nps, int(opts.get("reps", 20)))
     selected = [s for s in shapes() if not only or any(k in s.name for k in only)]
     result = run(selected, int(opts.get("reps", 30)), 3, use_flashinfer=False)
     for r in result["rows"]:

@@ -50,9 +50,12 @@ namespace pagedattn::cuda_backend {
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
 // Warps per CTA of the transposed fp8 kernels (N8): their registers fit 16 warps per
-// multiprocessor, as 4 CTAs of 4 warps or 2 of 8.
+// multiprocessor, as 4 CTAs of 4 warps or 2 of 8. Two of 8 measured 4-6% faster on the
+// 512 MB - 2 GB shapes that a grid of one CTA per (sequence, KV head) nearly fills (a CTA
+// of 8 warps streams twice the bytes, so those shapes need half the partitions, or none),
+// and within 1.5% elsewhere, on an H200 (PERF_NOTES.md).
 #ifndef PAGEDATTN_MMA_FP8_WARPS
-#define PAGEDATTN_MMA_FP8_WARPS 4
+#define PAGEDATTN_MMA_FP8_WARPS 8
 #endif
 
 // The stage room the line-rounded blocks of small_page_stride() add: the most over pages
@@ -125,13 +128,15 @@ struct MmaDecodeConfig {
   // small-page kernel (S) keeps nhd's rates, fitted when it copied per-token keys as nhd
   // does (an H100 sweep of pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where
   // 1024-token partitions took 200-235); not re-fitted since it copies whole key slabs.
+  // The transposed fp8 kernels' rates are per 4 warps, scaled by their warps per CTA.
   static constexpr double kCtaBw = (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
                                                                   : (kE == 2 ? 13.0e3 : 8.5e3)) *
                                    (N8 ? kWarps / 4.0 : 1.0);
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
-  // sizes 64, 96 and 128 fit 4 (128 registers) without spilling: a third more warps to hide
-  // the fp8 loop's latency. The others spill at 128 (72-262 bytes) and keep no bound.
+  // sizes 64, 96 and 128 fit 16 warps per multiprocessor (128 registers; 16 bytes of spill
+  // in the vllm d128 kernel at 8 warps per CTA, none at 4): a third more warps than 3 CTAs of
+  // 4 to hide the fp8 loop's latency. The others spill at 128 (72-262 bytes), keep no bound.
   static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 16 / kWarps : 1;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
