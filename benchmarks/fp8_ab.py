@@ -2,7 +2,7 @@
 bf16 caches) with the pagedattn found on sys.path, one line per call in device_ab.sh's format,
 so that builds can be compared side by side (GPU machine only).
 
-    python3 benchmarks/fp8_ab.py TAG [--shapes=sub1,sub2] [--reps=30]
+    python3 benchmarks/fp8_ab.py TAG [--shapes=sub1,sub2] [--reps=30] [--set=small|all]
     python3 benchmarks/fp8_ab.py --sweep [--shapes=...] [--nps=1,2,3,4]
 
 --sweep times each fp8 shape and layout at the automatic plan and at the given partition
@@ -13,6 +13,17 @@ import sys
 
 from fp8_decode_bench import run, shapes
 from small_shapes import parse_args
+
+from pagedattn.bench.kernels import Shape
+
+
+def small_shapes():
+    """Calls under 512 MB, where a grid may not fill the GPU (--set=small)."""
+    out = [Shape(f"gqa32/8 b{b} x{c}", b, c, 32, 8, 128, "bfloat16") for b, c in
+           ((1, 1024), (1, 4096), (1, 16384), (4, 4096), (8, 1024), (16, 2048), (128, 512))]  # fmt: skip
+    out.append(Shape("mha32 b8 x2048", 8, 2048, 32, 32, 128, "bfloat16"))
+    out.append(Shape("gqa64/8 d64 b16 x4096", 16, 4096, 64, 8, 64, "bfloat16"))
+    return out
 
 
 def sweep(only, nps, reps):
@@ -47,7 +58,8 @@ def main():
     if "--sweep" in sys.argv:
         nps = [int(x) for x in opts.get("nps", "1,2,3,4,6,8").split(",")]
         return sweep(only, nps, int(opts.get("reps", 20)))
-    selected = [s for s in shapes() if not only or any(k in s.name for k in only)]
+    pool = {"small": small_shapes(), "all": shapes() + small_shapes()}.get(opts.get("set", ""), shapes())
+    selected = [s for s in pool if not only or any(k in s.name for k in only)]
     result = run(selected, int(opts.get("reps", 30)), 3, use_flashinfer=False)
     for r in result["rows"]:
         if "gpu_us" not in r:
