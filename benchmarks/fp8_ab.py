@@ -44,7 +44,8 @@ def sweep(only, nps, reps):
             args = (q, fp8[f"k_{layout}"], fp8[f"v_{layout}"], tables, lens)
             row = [f"auto {timer.gpu_us(pagedattn.prepare_decode(*args, **kw).run):.1f}"]
             for np_ in nps:
-                ps = max(64, -(-(-(-ctx // np_)) // 16) * 16)
+                per = -(-ctx // np_)  # tokens per partition, rounded up to 16
+                ps = max(64, -(-per // 16) * 16)
                 plan = dict(kernel="single_pass") if np_ == 1 else dict(kernel="partitioned", partition_size=ps)
                 row.append(f"{np_}:{timer.gpu_us(pagedattn.prepare_decode(*args, **kw, **plan).run):.1f}")
             name = shape.name.split(" (")[0].replace("gqa32/8 ", "")
