@@ -174,7 +174,7 @@ __device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const Ct
   return len;
 }
 
-// Final step of a decode CTA. Inputs in shared memory, written by W warps:
+// Final step of a decode CTA. Inputs in shared memory, written by nw <= W warps:
 //   wm, wl   [W][R]      per-warp max logit (base 2) and exp-sum of each row
 //   slab     [W][R][DP]  per-warp unnormalised output of each row, already scaled by
 //                        exp2(wm - row max) (the caller does that); DP is a multiple of
@@ -184,7 +184,7 @@ __device__ __forceinline__ int cta_seq_len(const DecodeKernelParams& p, const Ct
 template <class T, int W, int R, int DP, int HEAD>
 __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const float* wm, const float* wl,
                                            const float* slab, int s, int row_out, int h0, int rows, int part,
-                                           bool bad) {
+                                           int nw, bool bad) {
   const int D = HEAD ? HEAD : p.head_size;
   const int q4 = D / 4;
   const bool single = p.part_out == nullptr;
@@ -192,11 +192,13 @@ __device__ __forceinline__ void store_rows(const DecodeKernelParams& p, const fl
     const int r = i / q4, d = (i - r * q4) * 4;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, wm[w * R + r]);
+    for (int w = 0; w < W; ++w)
+      if (w < nw) mx = fmaxf(mx, wm[w * R + r]);
     float l = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < W; ++w) {
+      if (w >= nw) break;
       const float m = wm[w * R + r];
       if (m != -INFINITY) l += wl[w * R + r] * exp2f(m - mx);
       const float4 v = *reinterpret_cast<const float4*>(slab + (w * R + r) * DP + d);

@@ -83,7 +83,8 @@ DecodeKernelInfo select_by_types(const DecodeParams& p, Pick&& pick) {
 DecodeKernelInfo select_kernel(const DecodeParams& p);
 
 // Sets k up on `device` once (its dynamic shared-memory limit) and returns how many of
-// its CTAs fit on one multiprocessor (the occupancy API; at least 1).
-int kernel_slots_per_sm(const DecodeKernelInfo& k, int device);
+// its CTAs fit on one multiprocessor (the occupancy API; at least 1); `narrow`: of its
+// narrow CTAs (narrow_threads, narrow_smem), where it has them.
+int kernel_slots_per_sm(const DecodeKernelInfo& k, int device, bool narrow = false);
 
 }  // namespace pagedattn::cuda_backend

@@ -20,6 +20,10 @@ struct DecodeKernelInfo {
   int smem = 0;  // dynamic shared memory bytes
   int rows = 0;  // query heads per CTA
   double cta_bw = 26.0e3;  // bytes per us one CTA pulls alone (the planner's model)
+  // Kernels that also run narrower CTAs (the transposed fp8 ones: half the warps), chosen
+  // per call by the launch plan; 0: one width only.
+  int narrow_threads = 0;
+  int narrow_smem = 0;
   const char* name = "";  // varlen kernels: the family, as decode_plan reports it
 };
 

@@ -19,6 +19,10 @@ DecodeKernelInfo mma_kernel_info() {
   info.smem = Cfg::kDynBytes;
   info.rows = Cfg::kRows;
   info.cta_bw = Cfg::kCtaBw;
+  if constexpr (N8) {
+    info.narrow_threads = Cfg::kNarrowWarps * 32;
+    info.narrow_smem = Cfg::dyn_bytes(Cfg::kNarrowWarps);
+  }
   return info;
 }
 

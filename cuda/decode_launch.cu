@@ -51,8 +51,10 @@ std::size_t decode_workspace_bytes(const DecodeParams& p) {
 DecodePlanInfo decode_plan_info(const DecodeParams& p) {
   if (vllm_as_nhd(p)) return decode_plan_info(as_nhd(p));
   DeviceGuard guard(p.device_id);
-  const planner::DecodePlan plan = cached_launch_plan(p).plan;
+  const LaunchPlan& lp = cached_launch_plan(p);
+  const planner::DecodePlan plan = lp.plan;
   DecodePlanInfo info;
+  info.threads_per_cta = lp.kernel.threads;
   info.num_partitions = plan.num_partitions;
   info.partition_size = plan.partition_size;
   info.reduce_kernel = plan.partials;

@@ -49,11 +49,9 @@ namespace pagedattn::cuda_backend {
 #ifndef PAGEDATTN_MMA_FP8_STAGES
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
-// Warps per CTA of the transposed fp8 kernels (N8): their registers fit 16 warps per
-// multiprocessor, as 4 CTAs of 4 warps or 2 of 8. Two of 8 measured 4-6% faster on the
-// 512 MB - 2 GB shapes that a grid of one CTA per (sequence, KV head) nearly fills (a CTA
-// of 8 warps streams twice the bytes, so those shapes need half the partitions, or none),
-// and within 1.5% elsewhere, on an H200 (PERF_NOTES.md).
+// Warps per CTA of the transposed fp8 kernels (N8), the most: they run CTAs of this many
+// warps or of half as many, chosen per call (decode_launch_plan.cu, narrow_cta); their
+// registers fit 16 warps per multiprocessor either way.
 #ifndef PAGEDATTN_MMA_FP8_WARPS
 #define PAGEDATTN_MMA_FP8_WARPS 8
 #endif
@@ -132,6 +130,8 @@ struct MmaDecodeConfig {
   static constexpr double kCtaBw = (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
                                                                   : (kE == 2 ? 13.0e3 : 8.5e3)) *
                                    (N8 ? kWarps / 4.0 : 1.0);
+  // The transposed kernels also run CTAs of kNarrowWarps (the launch's block size says which).
+  static constexpr int kNarrowWarps = N8 ? kWarps / 2 : kWarps;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
   // sizes 64, 96 and 128 fit 16 warps per multiprocessor (128 registers; 16 bytes of spill
@@ -145,12 +145,18 @@ struct MmaDecodeConfig {
   static constexpr int kSlabPitch = N8 ? kHMax + 4 : kHMax + 8;
   static constexpr int kSlabBytes = kWarps * kRows * kSlabPitch * 4;
   static constexpr int kSmemBytes = kPipeBytes > kSlabBytes ? kPipeBytes : kSlabBytes;
+  // The same for a CTA of nw warps (N8: nw is the launch's; the others: kWarps)
+  __host__ __device__ static constexpr int smem_bytes(int nw) {
+    return nw * kStages * kStageBytes > nw * kRows * kSlabPitch * 4 ? nw * kStages * kStageBytes
+                                                                     : nw * kRows * kSlabPitch * 4;
+  }
   // The per-warp max / exp-sum of each row go after the ring: the kernel has no static
   // shared memory, so the ring starts at offset 0 of the CTA's shared memory. (A ring 16
   // bytes off a 128-byte boundary streamed 6-9% slower on an H100; see PERF_NOTES.md.)
   static constexpr int kRedFloats = kWarps * kRows;
   static constexpr int kBarBytes = W ? 2 * kStages * 8 : 0;  // W: full[kStages], empty[kStages]
   static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4 + kBarBytes;
+  __host__ __device__ static constexpr int dyn_bytes(int nw) { return smem_bytes(nw) + 2 * nw * kRows * 4 + kBarBytes; }
 };
 
 // Whether a kernel has a transposed (N8) instantiation: fp8 caches of a specialised head
@@ -369,9 +375,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   static_assert(!W || (L == CacheLayout::kVLLM && F == KVCacheDType::kAuto && HEAD != 0 && !S && !N8),
                 "the wide-row kernel: vllm pages of 64 and more, 16-bit caches, specialised head sizes");
   using C = MmaDecodeConfig<T, F, HEAD, L, S, N8, W>;
+  // Warps of this CTA: the transposed kernels run kWarps or kNarrowWarps (the launch's
+  // choice); the others always kWarps, a constant.
+  const int nw = N8 ? static_cast<int>(blockDim.x >> 5) : C::kWarps;
   extern __shared__ __align__(128) unsigned char smem[];
-  float* red_m = reinterpret_cast<float*>(smem + C::kSmemBytes);  // [kWarps][kRows]
-  float* red_l = red_m + C::kRedFloats;
+  float* red_m = reinterpret_cast<float*>(smem + C::smem_bytes(nw));  // [nw][kRows]
+  float* red_l = red_m + nw * C::kRows;
 
   PA_TRACE_DECL;
   PA_TRACE(0);
@@ -403,7 +412,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   int first_a[C::kStages], first_b[C::kStages];
 #pragma unroll
   for (int i = 0; i < C::kStages; ++i)
-    early_block_ids(p, task, tok_begin + (wq + i * C::kWarps) * C::kTok, first_a[i], first_b[i]);
+    early_block_ids(p, task, tok_begin + (wq + i * nw) * C::kTok, first_a[i], first_b[i]);
   [[maybe_unused]] const std::uint32_t bar_full = smem_addr(red_l + C::kRedFloats);  // W: full[s] at + 8 s
   [[maybe_unused]] const std::uint32_t bar_empty = bar_full + 8 * C::kStages;
   if constexpr (W) {
@@ -433,7 +442,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   PA_TRACE(1);
   const int tok_end = min(len, tok_begin + p.partition_size);
   const int nchunks = (tok_end - tok_begin + C::kTok - 1) / C::kTok;
-  const int my_chunks = nchunks > warp ? (nchunks - warp + C::kWarps - 1) / C::kWarps : 0;
+  const int my_chunks = nchunks > warp ? (nchunks - warp + nw - 1) / nw : 0;
   // W: every warp runs every group (it copies a quarter of each group's values), its own
   // chunk of the last group may be missing
   const int my_iters = W ? (nchunks + C::kWarps - 1) / C::kWarps : my_chunks;
@@ -525,7 +534,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   // kernels keep the copy: without it, on an H100, vllm bf16 b8 / b16 x16384 ran 3% faster
   // but b64 x4096 4% slower, and the decode benchmark stays as it was.
   auto raw_ids = [&](int i, int& a, int& b) {
-    const int t0 = tok_begin + (wq + i * C::kWarps) * C::kTok;
+    const int t0 = tok_begin + (wq + i * nw) * C::kTok;
     a = b = 0;
     if constexpr (W) {
       if (i < my_iters && t0 < tok_end) a = __ldg(table_row + div_b(t0));
@@ -544,7 +553,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     }
   };
   auto load_chunk = [&](int i, int rawA, int rawB) {
-    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    const int t0 = tok_begin + (warp + i * nw) * C::kTok;
     unsigned char* ks = my_ring + (i % C::kStages) * C::kStageBytes;
     unsigned char* vs = ks + C::kKBytes;
     // Blocks wholly before the window are never read: with B < 16 the chunk's first 8
@@ -808,7 +817,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     const unsigned char* ks = my_ring + (i % C::kStages) * C::kRingStage;
     unsigned char* vs_w = W ? wide_v + (i % C::kStages) * (C::kHMax * C::kVWideRow) : nullptr;
     const unsigned char* vs = W ? vs_w : ks + C::kKBytes;
-    const int t0 = tok_begin + (warp + i * C::kWarps) * C::kTok;
+    const int t0 = tok_begin + (warp + i * nw) * C::kTok;
     if constexpr (W) {
       if (t0 >= tok_end) {  // no chunk of this warp in the last group
         mbar_arrive(bar_empty + 8 * (i % C::kStages));
@@ -1226,7 +1235,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
     const int r = N8 ? 2 * c + half : g + 8 * half;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < C::kWarps; ++w) mx = fmaxf(mx, red_m[w * C::kRows + r]);
+    for (int w = 0; w < C::kWarps; ++w)
+      if (w < nw) mx = fmaxf(mx, red_m[w * C::kRows + r]);
     f[half] = m_run[half] == -INFINITY ? 0.f : exp2f(m_run[half] - mx);
   }
   float* slab = reinterpret_cast<float*>(smem);
@@ -1276,7 +1286,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   }
   __syncthreads();
   PA_TRACE(10);
-  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part,
+  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part, nw,
                                                                    any_bad);
   PA_TRACE(11);
   PA_TRACE_PRINT("PT", my_chunks);

@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(SimtDecodeConfig<F, HEAD, L>::kThreads)
   }
   __syncthreads();
   store_rows<float, C::kWarps, C::kRows, C::kHMax, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part,
-                                                                  any_bad);
+                                                         C::kWarps, any_bad);
 }
 
 }  // namespace pagedattn::cuda_backend

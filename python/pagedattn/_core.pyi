@@ -57,6 +57,7 @@ class DecodePlan(TypedDict):
     reduce_kernel: bool
     head_tiles: int
     ctas: int
+    threads_per_cta: int
     workspace_bytes: int
     varlen_kernel: str
 

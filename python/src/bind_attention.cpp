@@ -331,7 +331,8 @@ void bind_attention(nb::module_& m) {
       doc("How paged_attention runs on CUDA for these sizes and options (same arguments and errors as\n"
           "decode_workspace_size). Returns a dict: num_partitions and partition_size (tokens) along the\n"
           "context, reduce_kernel (True: partial results go to scratch and a second kernel merges them),\n"
-          "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), workspace_bytes,\n"
+          "head_tiles (CTAs per KV head along its query heads), ctas (the decode grid), threads_per_cta\n"
+          "(fp8 caches run CTAs of 256 or 128 threads, as the grid suits), workspace_bytes,\n"
           "varlen_kernel (the kernel family of a call with query_start_loc on this device: 'sm90_wgmma',\n"
           "'sm80_mma' or 'cuda_core').",
           kDecodeQuery);
@@ -349,6 +350,7 @@ void bind_attention(nb::module_& m) {
         d["reduce_kernel"] = i.reduce_kernel;
         d["head_tiles"] = i.head_tiles;
         d["ctas"] = i.ctas;
+        d["threads_per_cta"] = i.threads_per_cta;
         d["workspace_bytes"] = i.workspace_bytes;
         d["varlen_kernel"] = i.varlen_kernel;
         return nb::object(d);

@@ -161,6 +161,33 @@ def test_fp8_every_head_size(rng, head_size, layout):
               partition_size=64 if kernel == "partitioned" else 0)  # fmt: skip
 
 
+# fp8 caches with groups of up to 8 run the transposed kernels in CTAs of 8 warps or of 4,
+# chosen per call from the grid: a grid that fills every multiprocessor's CTA slots in one
+# round runs the full width. Grids of both kinds (a few CTAs, and about 1.5 per
+# multiprocessor, where the full width's 2 per multiprocessor are nearly filled) against the
+# float64 reference, single pass and partitioned, both fp8 formats, every layout.
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kernel", ["single_pass", "partitioned"])
+def test_fp8_both_cta_widths(rng, layout, kernel):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    K, B, longest = 2, 16, 300
+    ps = 64 if kernel == "partitioned" else 0
+    max_blocks = -(-longest // B) + 2  # make_problem's table width (its 2 padding blocks)
+    opts = dict(kernel=kernel, partition_size=ps, kv_cache_dtype="fp8_e4m3")
+    nparts = pagedattn.decode_plan(1, 8, K, 128, B, max_blocks, "bfloat16", layout, **opts)["num_partitions"]
+    widths = set()
+    for S, kind, dtype in ((3, "fp8_e4m3", "bfloat16"), (-(-3 * sms // (2 * K * nparts)), "fp8_e5m2", "float16")):
+        lens = rng.integers(1, longest + 1, S)
+        lens[0], lens[-1] = longest, 0
+        plan = pagedattn.decode_plan(S, 8, K, 128, B, max_blocks, dtype, layout, **dict(opts, kv_cache_dtype=kind))
+        assert plan["ctas"] == S * K * nparts
+        widths.add(plan["threads_per_cta"])
+        p = fp8_problem(rng, lens.tolist(), kind=kind, dtype=NP_DTYPES[dtype], layout=layout, num_kv_heads=K)
+        assert p.block_tables.shape[1] == max_blocks
+        check(p, NP_DTYPES[dtype], kv_cache_dtype=kind, k_scale=0.05, v_scale=0.03, kernel=kernel, partition_size=ps)
+    assert widths == {128, 256}, f"expected both CTA widths, planned {sorted(widths)}"
+
+
 # bf16 queries over fp8 caches multiply in f16, each query row scaled by a power of two into
 # f16's range first: rows of very large, very small and mixed magnitudes (and a zero row) must
 # give the float64 reference's answer, both layouts, both fp8 formats.

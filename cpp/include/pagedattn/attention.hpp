@@ -191,6 +191,7 @@ struct DecodePlanInfo {
   bool reduce_kernel = false;  // partials written to scratch and merged by a second kernel
   int head_tiles = 1;          // CTAs per KV head along its query heads
   std::int64_t ctas = 0;       // CTAs of the decode grid
+  int threads_per_cta = 0;     // threads of each (fp8 caches: the width is chosen per call)
   std::size_t workspace_bytes = 0;
   // The kernel family of a call with query_start_loc (chunked prefill, mixed batches) on
   // this device: "sm90_wgmma" (Hopper), "sm80_mma" (tensor cores, sm_80 and up) or
