@@ -106,19 +106,19 @@ for layout, head in (("vllm", 64), ("nhd", 72)):
     assert_close(out.cpu().numpy(), ref, np.float16, f"fp8 {layout}")
 
 # fp8 at the transposed kernels' full CTA width (8 warps): a grid of about 1.5 CTAs per
-# multiprocessor (the sample above runs the narrow width)
-S = -(-3 * torch.cuda.get_device_properties(0).multi_processor_count // 4)
-kshape, vshape = pagedattn.kv_cache_shape(3 * S, 16, 2, 128, "uint8", "vllm")
+# multiprocessor, 1152 tokens per CTA (the sample above runs the narrow width)
+S, NB = -(-3 * torch.cuda.get_device_properties(0).multi_processor_count // 4), 72
+kshape, vshape = pagedattn.kv_cache_shape(NB * S, 16, 2, 128, "uint8", "vllm")
 kc = torch.zeros(kshape, dtype=torch.uint8, device="cuda")
 vc = torch.zeros(vshape, dtype=torch.uint8, device="cuda")
-k = torch.randn(48 * S, 2, 128, dtype=torch.bfloat16, device="cuda")
-v = torch.randn(48 * S, 2, 128, dtype=torch.bfloat16, device="cuda")
-slots = torch.arange(48 * S, dtype=torch.int64, device="cuda")
+k = torch.randn(16 * NB * S, 2, 128, dtype=torch.bfloat16, device="cuda")
+v = torch.randn(16 * NB * S, 2, 128, dtype=torch.bfloat16, device="cuda")
+slots = torch.arange(16 * NB * S, dtype=torch.int64, device="cuda")
 pagedattn.reshape_and_cache(k, v, kc, vc, slots, kv_cache_dtype="fp8_e4m3", k_scale=0.1, v_scale=0.2)
 q = torch.randn(S, 8, 128, dtype=torch.bfloat16, device="cuda")
-bt = torch.arange(3 * S, dtype=torch.int32, device="cuda").reshape(S, 3)
-sl = torch.randint(1, 48, (S,), dtype=torch.int32, device="cuda")
-plan = pagedattn.decode_plan(S, 8, 2, 128, 16, 3, "bfloat16", "vllm", kv_cache_dtype="fp8_e4m3")
+bt = torch.randperm(NB * S, device="cuda").to(torch.int32).reshape(S, NB)
+sl = torch.randint(1, 16 * NB + 1, (S,), dtype=torch.int32, device="cuda")
+plan = pagedattn.decode_plan(S, 8, 2, 128, 16, NB, "bfloat16", "vllm", kv_cache_dtype="fp8_e4m3")
 assert plan["threads_per_cta"] == 256, plan
 out = pagedattn.paged_attention(q, kc, vc, bt, sl, kv_cache_dtype="fp8_e4m3", k_scale=0.1, v_scale=0.2)
 ref = paged_attention_ref(

@@ -2,6 +2,7 @@
 // inputs of the host planner, and the per-thread plan cache.
 #include "cuda/decode_launch_plan.cuh"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda/decode_dispatch.cuh"
@@ -62,14 +63,17 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   lp.plan = planner::make_plan(shape, kernel, device);
   // Kernels with narrow CTAs (the transposed fp8 ones: half the warps, twice the CTAs per
   // multiprocessor): the full width pays where its grid runs in one round with every
-  // multiprocessor's slots filled (b32 x4096, b8-b32 x16384 on an H200: 4-6% faster than
-  // 4 CTAs of half the width); a grid of several rounds, or one that leaves slots empty,
-  // runs narrow (b128 x512 17-20%, b64 / b128 x4096 1-1.5%, d64 b16 x4096 13% faster so).
+  // multiprocessor's slots filled and each warp has 8 chunks or more (b32 x4096, b8-b32
+  // x16384, MHA b8 x2048 on an H200: 5-11% faster than CTAs of half the width); other grids
+  // run narrow (b128 x512 17-20% and b64 / b128 x4096 1-1.5% faster so; grids of 1-4 chunks
+  // per warp, b1 x4096, b8 x1024 and b4 x4096 nhd, 6-15%).
   if (lp.kernel.narrow_threads > 0) {
     const std::int64_t ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * lp.plan.tiles *
                               lp.plan.num_partitions;
     const std::int64_t full = static_cast<std::int64_t>(kernel.slots_per_sm) * dev.num_sms;
-    if (ctas > full || ctas <= full - dev.num_sms) {
+    const std::int64_t cta_tokens =
+        std::min<std::int64_t>(lp.plan.partition_size, static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size);
+    if (ctas > full || ctas <= full - dev.num_sms || cta_tokens < 8 * planner::kPartitionAlign * kernel.threads / 32) {
       kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id, true);  // lp.kernel still full width
       const double ratio = static_cast<double>(lp.kernel.narrow_threads) / lp.kernel.threads;
       lp.kernel.threads = lp.kernel.narrow_threads;

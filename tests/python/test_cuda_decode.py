@@ -163,15 +163,16 @@ def test_fp8_every_head_size(rng, head_size, layout):
 
 # fp8 caches with groups of up to 8 run the transposed kernels in CTAs of 8 warps or of 4,
 # chosen per call from the grid: a grid that fills every multiprocessor's CTA slots in one
-# round runs the full width. Grids of both kinds (a few CTAs, and about 1.5 per
-# multiprocessor, where the full width's 2 per multiprocessor are nearly filled) against the
-# float64 reference, single pass and partitioned, both fp8 formats, every layout.
+# round, with 1024 tokens or more per CTA, runs the full width. Grids of both kinds (a few
+# CTAs, and about 1.5 per multiprocessor, where the full width's 2 per multiprocessor are
+# nearly filled) against the float64 reference, single pass and partitioned (a sequence over
+# several partitions), both fp8 formats, every layout.
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel", ["single_pass", "partitioned"])
 def test_fp8_both_cta_widths(rng, layout, kernel):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    K, B, longest = 2, 16, 300
-    ps = 64 if kernel == "partitioned" else 0
+    K, B = 2, 16
+    longest, ps = (2100, 1024) if kernel == "partitioned" else (1100, 0)
     max_blocks = -(-longest // B) + 2  # make_problem's table width (its 2 padding blocks)
     opts = dict(kernel=kernel, partition_size=ps, kv_cache_dtype="fp8_e4m3")
     nparts = pagedattn.decode_plan(1, 8, K, 128, B, max_blocks, "bfloat16", layout, **opts)["num_partitions"]
