@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <map>
-#include <tuple>
 #include <mutex>
+#include <tuple>
 
 #include "cuda/device.cuh"
 
@@ -32,8 +32,8 @@ int kernel_slots_per_sm(const DecodeKernelInfo& k, int device, bool narrow) {
   check_cuda(cudaFuncSetAttribute(k.func, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem),
              "cudaFuncSetAttribute");
   int occ = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k.func, narrow ? k.narrow_threads : k.threads,
-                                                           narrow ? k.narrow_smem : k.smem),
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                 &occ, k.func, narrow ? k.narrow_threads : k.threads, narrow ? k.narrow_smem : k.smem),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return cache.emplace(key, std::max(occ, 1)).first->second;
 }

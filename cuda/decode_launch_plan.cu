@@ -68,12 +68,13 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   // run narrow (b128 x512 17-20% and b64 / b128 x4096 1-1.5% faster so; grids of 1-4 chunks
   // per warp, b1 x4096, b8 x1024 and b4 x4096 nhd, 6-15%).
   if (lp.kernel.narrow_threads > 0) {
-    const std::int64_t ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * lp.plan.tiles *
-                              lp.plan.num_partitions;
+    const std::int64_t ctas =
+        static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * lp.plan.tiles * lp.plan.num_partitions;
     const std::int64_t full = static_cast<std::int64_t>(kernel.slots_per_sm) * dev.num_sms;
-    const std::int64_t cta_tokens =
-        std::min<std::int64_t>(lp.plan.partition_size, static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size);
-    if (ctas > full || ctas <= full - dev.num_sms || cta_tokens < 8 * planner::kPartitionAlign * kernel.threads / 32) {
+    const std::int64_t cta_tokens = std::min<std::int64_t>(
+        lp.plan.partition_size, static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size);
+    if (ctas > full || ctas <= full - dev.num_sms ||
+        cta_tokens < 8 * planner::kPartitionAlign * kernel.threads / 32) {
       kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id, true);  // lp.kernel still full width
       const double ratio = static_cast<double>(lp.kernel.narrow_threads) / lp.kernel.threads;
       lp.kernel.threads = lp.kernel.narrow_threads;

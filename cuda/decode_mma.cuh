@@ -127,9 +127,9 @@ struct MmaDecodeConfig {
   // does (an H100 sweep of pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where
   // 1024-token partitions took 200-235); not re-fitted since it copies whole key slabs.
   // The transposed fp8 kernels' rates are per 4 warps, scaled by their warps per CTA.
-  static constexpr double kCtaBw = (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
-                                                                  : (kE == 2 ? 13.0e3 : 8.5e3)) *
-                                   (N8 ? kWarps / 4.0 : 1.0);
+  static constexpr double kCtaBw =
+      (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3) : (kE == 2 ? 13.0e3 : 8.5e3)) *
+      (N8 ? kWarps / 4.0 : 1.0);
   // The transposed kernels also run CTAs of kNarrowWarps (the launch's block size says which).
   static constexpr int kNarrowWarps = N8 ? kWarps / 2 : kWarps;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
@@ -148,7 +148,7 @@ struct MmaDecodeConfig {
   // The same for a CTA of nw warps (N8: nw is the launch's; the others: kWarps)
   __host__ __device__ static constexpr int smem_bytes(int nw) {
     return nw * kStages * kStageBytes > nw * kRows * kSlabPitch * 4 ? nw * kStages * kStageBytes
-                                                                     : nw * kRows * kSlabPitch * 4;
+                                                                    : nw * kRows * kSlabPitch * 4;
   }
   // The per-warp max / exp-sum of each row go after the ring: the kernel has no static
   // shared memory, so the ring starts at offset 0 of the CTA's shared memory. (A ring 16
@@ -156,7 +156,9 @@ struct MmaDecodeConfig {
   static constexpr int kRedFloats = kWarps * kRows;
   static constexpr int kBarBytes = W ? 2 * kStages * 8 : 0;  // W: full[kStages], empty[kStages]
   static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4 + kBarBytes;
-  __host__ __device__ static constexpr int dyn_bytes(int nw) { return smem_bytes(nw) + 2 * nw * kRows * 4 + kBarBytes; }
+  __host__ __device__ static constexpr int dyn_bytes(int nw) {
+    return smem_bytes(nw) + 2 * nw * kRows * 4 + kBarBytes;
+  }
 };
 
 // Whether a kernel has a transposed (N8) instantiation: fp8 caches of a specialised head
@@ -1286,8 +1288,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
   }
   __syncthreads();
   PA_TRACE(10);
-  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part, nw,
-                                                                   any_bad);
+  store_rows<T, C::kWarps, C::kRows, C::kSlabPitch, HEAD>(p, red_m, red_l, slab, s, task.row, h0, rows, part,
+                                                          nw, any_bad);
   PA_TRACE(11);
   PA_TRACE_PRINT("PT", my_chunks);
 }
