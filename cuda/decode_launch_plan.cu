@@ -2,7 +2,6 @@
 // inputs of the host planner, and the per-thread plan cache.
 #include "cuda/decode_launch_plan.cuh"
 
-#include <algorithm>
 #include <cstdlib>
 
 #include "cuda/decode_dispatch.cuh"
@@ -52,6 +51,17 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   shape.kernel = p.kernel;
   shape.partition_size = p.partition_size;
   shape.sliding_window = p.sliding_window;
+  // The narrow form of a kernel with two widths, in place (its lone-CTA rate scaled down)
+  auto to_narrow = [](DecodeKernelInfo& k) {
+    k.cta_bw *= static_cast<double>(k.narrow_threads) / k.threads;
+    k.threads = k.narrow_threads;
+    k.smem = k.narrow_smem;
+    k.narrow_threads = k.narrow_smem = 0;
+  };
+  // A full width whose shared memory the device cannot give one block (the fp8 kernels of
+  // head sizes 192 and 256 at 8 warps, 96-128 KB, on GPUs of about 100 KB per block) leaves
+  // the narrow width alone.
+  if (lp.kernel.narrow_threads > 0 && lp.kernel.smem > dev.max_smem_per_block) to_narrow(lp.kernel);
   planner::KernelShape kernel;
   kernel.threads = lp.kernel.threads;
   kernel.rows = lp.kernel.rows;
@@ -61,28 +71,17 @@ LaunchPlan make_launch_plan(const DecodeParams& p) {
   device.num_sms = dev.num_sms;
   device.mem_bw = dev.mem_bw;
   lp.plan = planner::make_plan(shape, kernel, device);
-  // Kernels with narrow CTAs (the transposed fp8 ones: half the warps, twice the CTAs per
-  // multiprocessor): the full width pays where its grid runs in one round with every
-  // multiprocessor's slots filled and each warp has 8 chunks or more (b32 x4096, b8-b32
-  // x16384, MHA b8 x2048 on an H200: 5-11% faster than CTAs of half the width); other grids
-  // run narrow (b128 x512 17-20% and b64 / b128 x4096 1-1.5% faster so; grids of 1-4 chunks
+  // Kernels with narrow CTAs (the transposed fp8 ones): the full width where its grid fills
+  // every multiprocessor's slots in one round with 8 chunks or more per warp (b32 x4096,
+  // b8-b32 x16384, MHA b8 x2048 on an H200: 5-11% faster than CTAs of half the width); other
+  // grids narrow (b128 x512 17-20% and b64 / b128 x4096 1-1.5% faster so; grids of 1-4 chunks
   // per warp, b1 x4096, b8 x1024 and b4 x4096 nhd, 6-15%).
-  if (lp.kernel.narrow_threads > 0) {
-    const std::int64_t ctas =
-        static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * lp.plan.tiles * lp.plan.num_partitions;
-    const std::int64_t full = static_cast<std::int64_t>(kernel.slots_per_sm) * dev.num_sms;
-    const std::int64_t cta_tokens = std::min<std::int64_t>(
-        lp.plan.partition_size, static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size);
-    if (ctas > full || ctas <= full - dev.num_sms ||
-        cta_tokens < 8 * planner::kPartitionAlign * kernel.threads / 32) {
-      kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id, true);  // lp.kernel still full width
-      const double ratio = static_cast<double>(lp.kernel.narrow_threads) / lp.kernel.threads;
-      lp.kernel.threads = lp.kernel.narrow_threads;
-      lp.kernel.smem = lp.kernel.narrow_smem;
-      kernel.threads = lp.kernel.threads;
-      kernel.cta_bw = lp.kernel.cta_bw *= ratio;
-      lp.plan = planner::make_plan(shape, kernel, device);
-    }
+  if (lp.kernel.narrow_threads > 0 && !planner::keep_full_width(shape, lp.plan, kernel, dev.num_sms)) {
+    kernel.slots_per_sm = kernel_slots_per_sm(lp.kernel, p.device_id, true);  // lp.kernel still full width
+    to_narrow(lp.kernel);
+    kernel.threads = lp.kernel.threads;
+    kernel.cta_bw = lp.kernel.cta_bw;
+    lp.plan = planner::make_plan(shape, kernel, device);
   }
   return lp;
 }

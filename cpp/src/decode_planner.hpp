@@ -91,4 +91,12 @@ struct PlanModel {
 // The plan of one call. Deterministic in its inputs.
 DecodePlan make_plan(const DecodeShape& shape, const KernelShape& kernel, const DeviceShape& device);
 
+// Kernels that run at two widths (the transposed fp8 decode kernels: CTAs of 8 warps, or of
+// 4 with twice the CTAs per multiprocessor): whether a call keeps the full width, given the
+// full width's kernel shape and its plan. It does where the grid fills every
+// multiprocessor's CTA slots in one round (more than slots - 1 CTAs per multiprocessor on
+// average, at most slots) and each warp has 8 chunks or more; other calls run narrow
+// (measured on an H200: PERF_NOTES.md, "fp8 CTAs of 8 warps").
+bool keep_full_width(const DecodeShape& shape, const DecodePlan& plan, const KernelShape& kernel, int num_sms);
+
 }  // namespace pagedattn::planner

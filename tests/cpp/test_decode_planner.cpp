@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "check.hpp"
 #include "decode_planner.hpp"
@@ -260,4 +261,50 @@ PA_TEST(sliding_window_plans_for_the_window_not_the_context) {
   const DecodePlan sp = make_plan(single, kTensorCore, {kSms, kH100Bw});
   PA_CHECK_EQ(sp.num_partitions, 1);
   PA_CHECK_EQ(sp.partition_size, 1024);  // 1000 + 16 rounded up to chunks
+}
+
+PA_TEST(fp8_full_width_where_the_grid_fills_the_slots_once) {
+  // The transposed fp8 kernels at their full width: 256 threads, 8 heads per CTA, 2 CTAs per
+  // multiprocessor, twice the lone-CTA rate of 4 warps (vllm: 26 bytes/ns). H200 inputs.
+  constexpr KernelShape kFp8Full{256, 8, 2, 26.0e3};
+  struct Case {
+    const char* name;
+    DecodeShape shape;
+    bool full;
+  };
+  const Case cases[] = {
+      // one round of 2 CTAs on (nearly) every multiprocessor, 2048-16384 tokens per CTA
+      {"gqa32/8 b32 x4096", shape(32, 32, 8, 128, 4096, 1), true},
+      {"gqa32/8 b8 x16384", shape(8, 32, 8, 128, 16384, 1), true},
+      {"gqa32/8 b16 x16384", shape(16, 32, 8, 128, 16384, 1), true},
+      {"gqa32/8 b32 x16384", shape(32, 32, 8, 128, 16384, 1), true},
+      {"mha32 b8 x2048", shape(8, 32, 32, 128, 2048, 1), true},
+      // several rounds
+      {"gqa32/8 b64 x4096", shape(64, 32, 8, 128, 4096, 1), false},
+      {"gqa32/8 b128 x512", shape(128, 32, 8, 128, 512, 1), false},
+      // at most one CTA per multiprocessor
+      {"gqa32/8 b1 x4096", shape(1, 32, 8, 128, 4096, 1), false},
+      // the slots filled, but 512 tokens per CTA: 4 chunks per warp
+      {"gqa32/8 b1 x16384", shape(1, 32, 8, 128, 16384, 1), false},
+  };
+  for (const Case& c : cases) {
+    for (double bw : {kH200Bw, 0.97 * kH200Bw, 1.03 * kH200Bw}) {
+      const DecodePlan plan = make_plan(c.shape, kFp8Full, {kSms, bw});
+      if (keep_full_width(c.shape, plan, kFp8Full, kSms) != c.full)
+        PA_FAIL_AT(c.name << " at " << bw << " bytes/us: expected the " << (c.full ? "full" : "narrow") << " width");
+    }
+  }
+  // the bounds of the rule: grids of exactly slots x SMs and (slots - 1) x SMs + 1 CTAs keep
+  // it; (slots - 1) x SMs and one more than slots x SMs do not; 1023 tokens per CTA do not
+  DecodePlan one;
+  one.num_partitions = 1;
+  one.partition_size = 1024;
+  const std::pair<int, bool> bounds[] = {{33, true}, {17, true}, {16, false}, {34, false}};
+  for (const auto& [S, full] : bounds) {
+    const DecodeShape s = shape(S, 32, 8, 128, 1024, 1);  // S x 8 CTAs: 264, 136, 128, 272
+    PA_CHECK_EQ(keep_full_width(s, one, kFp8Full, kSms), full);
+  }
+  DecodeShape s = shape(33, 32, 8, 128, 1008, 1);
+  one.partition_size = 1008;
+  PA_CHECK(!keep_full_width(s, one, kFp8Full, kSms));
 }
