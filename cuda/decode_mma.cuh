@@ -50,7 +50,7 @@ namespace pagedattn::cuda_backend {
 #define PAGEDATTN_MMA_FP8_STAGES 2
 #endif
 // Warps per CTA of the transposed fp8 kernels (N8), the most: they run CTAs of this many
-// warps or of half as many, chosen per call (decode_launch_plan.cu, narrow_cta); their
+// warps or of half as many, chosen per call (planner::keep_full_width); their
 // registers fit 16 warps per multiprocessor either way.
 #ifndef PAGEDATTN_MMA_FP8_WARPS
 #define PAGEDATTN_MMA_FP8_WARPS 8
