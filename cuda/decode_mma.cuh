@@ -134,9 +134,9 @@ struct MmaDecodeConfig {
   static constexpr int kNarrowWarps = N8 ? kWarps / 2 : kWarps;
   static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
-  // sizes 64, 96 and 128 fit 16 warps per multiprocessor (128 registers; 16 bytes of spill
-  // in the vllm d128 kernel at 8 warps per CTA, none at 4): a third more warps than 3 CTAs of
-  // 4 to hide the fp8 loop's latency. The others spill at 128 (72-262 bytes), keep no bound.
+  // sizes 64, 96 and 128 fit 16 warps per multiprocessor (128 registers, no spill): a third
+  // more warps than 3 CTAs of 4 to hide the fp8 loop's latency. The others spill at 128
+  // (72-262 bytes) and keep no bound.
   static constexpr int kMinBlocks = N8 && kHMax <= 128 && kHMax % 32 == 0 ? 16 / kWarps : 1;
   // The warps' outputs meet in a [kWarps][kRows][kSlabPitch] float slab (over the ring);
   // the 8-float pad puts the 8 rows a warp writes at once on different banks.
