@@ -52,14 +52,14 @@ DecodePlanInfo decode_plan_info(const DecodeParams& p) {
   if (vllm_as_nhd(p)) return decode_plan_info(as_nhd(p));
   DeviceGuard guard(p.device_id);
   const LaunchPlan& lp = cached_launch_plan(p);
-  const planner::DecodePlan plan = lp.plan;
+  const planner::DecodePlan& plan = lp.plan;
   DecodePlanInfo info;
   info.threads_per_cta = lp.kernel.threads;
   info.num_partitions = plan.num_partitions;
   info.partition_size = plan.partition_size;
   info.reduce_kernel = plan.partials;
   info.head_tiles = plan.tiles;
-  info.ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles * plan.num_partitions;
+  info.ctas = plan.ctas(p.num_seqs, p.num_kv_heads);
   info.workspace_bytes = plan.workspace_bytes();
   info.varlen_kernel = varlen_kernel_name(p);
   return info;

@@ -90,7 +90,7 @@ DecodePlan make_plan(const DecodeShape& p, const KernelShape& kernel, const Devi
 }
 
 bool keep_full_width(const DecodeShape& p, const DecodePlan& plan, const KernelShape& kernel, int num_sms) {
-  const std::int64_t ctas = static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads * plan.tiles * plan.num_partitions;
+  const std::int64_t ctas = plan.ctas(p.num_seqs, p.num_kv_heads);
   const std::int64_t full = static_cast<std::int64_t>(kernel.slots_per_sm) * num_sms;
   const std::int64_t cta_tokens = std::min<std::int64_t>(
       plan.partition_size, static_cast<std::int64_t>(p.max_blocks_per_seq) * p.block_size);

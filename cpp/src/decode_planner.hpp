@@ -62,6 +62,10 @@ struct DecodePlan {
   // Byte offsets of the max logits and the exp-sums inside the scratch.
   std::size_t max_offset() const;
   std::size_t sum_offset() const;
+  // CTAs of the decode grid: (partition, KV head x head tile, sequence)
+  std::int64_t ctas(int num_seqs, int num_kv_heads) const {
+    return static_cast<std::int64_t>(num_seqs) * num_kv_heads * tiles * num_partitions;
+  }
 };
 
 // Modelled time (us) of one decode whose grid is `ctas` CTAs, each streaming
