@@ -9,7 +9,8 @@
 # PA_AB_SCRIPT names the timing script of the "ab" stage (default ab_time.py; fp8_ab.py times
 # the fp8 decode shapes).
 # The "prefill" stage times prefill_bench.py --pagedattn-only ($PA_PREFILL_ARGS) with each
-# build in turn, twice, and prints the ratios.
+# build of PA_PREFILL_BUILDS (default "base new") in turn, twice, and prints the ratios.
+# PA_AB_TREES="name=path" adds builds of other source trees.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -32,6 +33,10 @@ if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base*
 # PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
 for v in ${PA_AB_EXTRA:-}; do
   n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
+done
+# PA_AB_TREES: more builds of other source trees, "name=path ..." (relative to the repository)
+for v in ${PA_AB_TREES:-}; do
+  n=${v%%=*}; build "$n" "$REPO/${v#*=}" > "/tmp/ab-$n.rc" &
 done
 wait
 note "$(cat /tmp/ab-*.rc | tr '\n' ' ') in $(( $(date +%s) - t0 )) s"
@@ -77,23 +82,26 @@ for k, v in t.items():
 PY
 fi
 if has prefill; then  # the varlen benchmark (pagedattn alone) with each build in turn, twice
+  pbuilds=${PA_PREFILL_BUILDS:-base new}  # the first is the reference of the ratios
   for round in 1 2; do
-    for b in base new; do
+    for b in $pbuilds; do
       PYTHONPATH=/tmp/ab-$b timeout 200 python3 "$REPO/benchmarks/prefill_bench.py" --pagedattn-only \
         ${PA_PREFILL_ARGS:-} --json "/tmp/prefill_$b$round.json" > "$OUT/prefill_$b$round.log" 2>&1
       note "prefill $b$round: rc=$?"
     done
   done
-  python3 - <<'PY' | tee -a "$S"
-import json, statistics
-runs = {f"{b}{r}": json.load(open(f"/tmp/prefill_{b}{r}.json")) for b in ("base", "new") for r in (1, 2)}
-print(f"{'varlen shape (us, two rounds each)':58s} {'layout':6s} {'base':>15s} {'new':>15s}  new/base")
-for i, row in enumerate(runs["base1"]["rows"]):
+  python3 - $pbuilds <<'PY' | tee -a "$S"
+import json, statistics, sys
+bs = sys.argv[1:]
+runs = {f"{b}{r}": json.load(open(f"/tmp/prefill_{b}{r}.json")) for b in bs for r in (1, 2)}
+print(f"{'varlen shape (us, two rounds each)':58s} {'layout':6s} " + " ".join(f"{b:>15s}" for b in bs) + "  "
+      + " ".join(f"{b}/{bs[0]}" for b in bs[1:]))
+for i, row in enumerate(runs[f"{bs[0]}1"]["rows"]):
     for lay in ("vllm", "nhd"):
         k = f"pagedattn_{lay}"
-        v = {b: [runs[f"{b}{r}"]["rows"][i][k] for r in (1, 2)] for b in ("base", "new")}
-        print(f"{row['shape'][:58]:58s} {lay:6s} {v['base'][0]:7.1f} {v['base'][1]:7.1f} {v['new'][0]:7.1f} "
-              f"{v['new'][1]:7.1f}  {statistics.mean(v['new']) / statistics.mean(v['base']):.3f}")
+        v = {b: [runs[f"{b}{r}"]["rows"][i][k] for r in (1, 2)] for b in bs}
+        print(f"{row['shape'][:58]:58s} {lay:6s} " + " ".join(f"{v[b][0]:7.1f} {v[b][1]:7.1f}" for b in bs) + "  "
+              + " ".join(f"{statistics.mean(v[b]) / statistics.mean(v[bs[0]]):.3f}" for b in bs[1:]))
 PY
 fi
 if has host; then  # host cost per call: the same script with each build in turn, on one machine

@@ -249,6 +249,38 @@ def test_the_persistent_deal_of_items(rng, layout):
             assert torch.equal(outs[0], first), f"{name}: eager call after replay {i}"
 
 
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_items_back_to_back_in_one_block(rng, layout):
+    """A persistent block runs many items in turn, the stage ring, Q and the item slots
+    running on from one item to the next. Items of one key tile (short sequences) between
+    long ones, with the per-item state the next item must not inherit (ALiBi positions and
+    slopes, the running maximum and sum the sinks and the stores read, the window's first
+    key): every row of a plain call, one with ALiBi + soft cap + sinks, and one with a
+    window + sinks, against float64, with NaN in every unused cache slot."""
+    from test_variants import sinks_for
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kv, group, dtype = 8, 2, DTYPES[-1]
+    short = [int(n) for n in rng.integers(2, 129, size=30)]
+    seq_lens = [2048, 1500] + short[:15] + [1024] + short[15:]
+    q_lens = [2048, 1000] + [int(rng.integers(1, n + 1)) for n in short[:15]] + [1024] + \
+        [int(rng.integers(1, n + 1)) for n in short[15:]]
+    if HOPPER and family() == "sm90_wgmma":
+        assert persistent_items(q_lens, kv, group) >= 2 * sms, "the shape must take the persistent grid"
+    pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype=dtype, layout=layout, num_heads=kv * group, num_kv_heads=kv,
+                           head_size=128, block_size=16, alibi=True)  # fmt: skip
+    sinks = sinks_for(rng, kv * group)
+    args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
+    calls = {"plain": {}, "alibi + soft cap + sinks": dict(alibi_slopes=pb.alibi_slopes, soft_cap=20.0, sinks=sinks),
+             "window + sinks": dict(sliding_window=100, sinks=sinks)}  # fmt: skip
+    for name, kw in calls.items():
+        ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl,
+                                  **kw)  # fmt: skip
+        tkw = {k: to_torch(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+        out = pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=max(q_lens), **tkw)
+        assert_close(to_numpy(out), ref, dtype, name)
+
+
 def test_per_thread_default_streams_keep_their_own_counters(rng):
     """Two host threads calling on the per-thread default stream (one handle, a stream of
     its own in each thread, whose kernels may overlap) each get their own work counters:
