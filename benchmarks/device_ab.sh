@@ -27,6 +27,7 @@ build() {  # name, source[, CUDA flags]
     ${3:+-C "cmake.define.CMAKE_CUDA_FLAGS=$3"} > "$OUT/build_$1.log" 2>&1
   echo "build $1: rc=$?"
 }
+rm -f /tmp/ab-*.rc  # a warm machine keeps the last call's
 t0=$(date +%s)
 build new "$REPO" > /tmp/ab-new.rc &
 if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
