@@ -102,22 +102,17 @@ def summarize(name, lines, event_us):
     print(f"  per chunk: every gap {statistics.mean(per_chunk):.3f} us mean" if per_chunk else "", flush=True)
 
 
-def fp8_caches(kc, vc, layout):
-    """fp8_e4m3 codes of the bf16 vllm caches kc [N, K, D/8, B, 8] and vc [N, K, D, B], in
-    `layout`, with the keyword arguments of an fp8 call."""
-    n, k, d8, b, x = kc.shape
-    k_nhd = kc.permute(0, 3, 1, 2, 4).reshape(n, b, k, d8 * x)
-    v_nhd = vc.permute(0, 3, 1, 2)
-    codes = []
-    for wide in (k_nhd, v_nhd):
-        c = torch.empty(wide.shape, dtype=torch.uint8, device="cuda")
-        pagedattn.quantize_fp8(wide.contiguous(), c, scale=0.05, fp8_dtype="fp8_e4m3")
-        codes.append(c)
-    if layout == "vllm":
-        x8 = pagedattn.kv_cache_shape(n, b, k, d8 * x, "fp8_e4m3", "vllm")[0][-1]
-        codes = [codes[0].view(n, b, k, d8 * x // x8, x8).permute(0, 2, 3, 1, 4).contiguous(),
-                 codes[1].permute(0, 2, 3, 1).contiguous()]  # fmt: skip
-    return codes[0], codes[1], dict(kv_cache_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.05)
+def fp8_case(sh, layout):
+    """fp8_e4m3 inputs of a benchmark shape (fp8_decode_bench's caches, in `layout`): the
+    query, caches, tables, lengths and the keyword arguments of an fp8 call."""
+    from fp8_decode_bench import _fp8_caches
+
+    from pagedattn.bench.kernels import _make_inputs
+
+    inp = _make_inputs(torch, sh, seed=0)
+    fp8 = _fp8_caches(torch, inp, sh)
+    kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
+    return inp["q"], fp8[f"k_{layout}"], fp8[f"v_{layout}"], inp["tables"], inp["lens"], kw
 
 
 def main():
@@ -126,14 +121,15 @@ def main():
     modes = opts.get("modes", "flush,code,pages").split(",")
     timer = Timer(torch, 1, 3, "read")
     for sh, (qq, kc, vc, bt, sl) in suite_cases(only or ["b1 x4096", "b8 x1024", "opt-30b", "b1 x16384"]):
-        out = torch.empty_like(qq)
         kw = {}
         if "--fp8" in sys.argv:
-            kc, vc, kw = fp8_caches(kc, vc, opts.get("layout", "vllm"))
+            del kc, vc
+            qq, kc, vc, bt, sl, kw = fp8_case(sh, opts.get("layout", "vllm"))
             plan = pagedattn.decode_plan(sh.batch, sh.num_heads, sh.num_kv_heads, sh.head_size, sh.block_size,
                                          bt.shape[1], sh.dtype, opts.get("layout", "vllm"),
                                          kv_cache_dtype="fp8_e4m3")  # fmt: skip
             print(f"{sh.name} fp8 plan: {plan}")
+        out = torch.empty_like(qq)
         prep = pagedattn.prepare_decode(qq, kc, vc, bt, sl, out=out, **kw)
         for _ in range(3):
             traced(prep.run)

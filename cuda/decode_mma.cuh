@@ -132,7 +132,6 @@ struct MmaDecodeConfig {
       (N8 ? kWarps / 4.0 : 1.0);
   // The transposed kernels also run CTAs of kNarrowWarps (the launch's block size says which).
   static constexpr int kNarrowWarps = N8 ? kWarps / 2 : kWarps;
-  static constexpr int kPipeBytes = kWarps * kStages * kStageBytes;
   // CTAs per multiprocessor the registers are fitted to. The transposed kernels of head
   // sizes 64, 96 and 128 fit 16 warps per multiprocessor (128 registers, no spill): a third
   // more warps than 3 CTAs of 4 to hide the fp8 loop's latency. The others spill at 128
@@ -143,9 +142,8 @@ struct MmaDecodeConfig {
   // Transposed (N8), a thread writes single floats of two heads 2c, 2c + 1 at 8 dims:
   // rows 4 floats apart keep the four c on different banks.
   static constexpr int kSlabPitch = N8 ? kHMax + 4 : kHMax + 8;
-  static constexpr int kSlabBytes = kWarps * kRows * kSlabPitch * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kSlabBytes ? kPipeBytes : kSlabBytes;
-  // The same for a CTA of nw warps (N8: nw is the launch's; the others: kWarps)
+  // The ring or the slab, whichever is larger, for a CTA of nw warps (N8: nw is the
+  // launch's; the others: kWarps)
   __host__ __device__ static constexpr int smem_bytes(int nw) {
     return nw * kStages * kStageBytes > nw * kRows * kSlabPitch * 4 ? nw * kStages * kStageBytes
                                                                     : nw * kRows * kSlabPitch * 4;
@@ -155,10 +153,10 @@ struct MmaDecodeConfig {
   // bytes off a 128-byte boundary streamed 6-9% slower on an H100; see PERF_NOTES.md.)
   static constexpr int kRedFloats = kWarps * kRows;
   static constexpr int kBarBytes = W ? 2 * kStages * 8 : 0;  // W: full[kStages], empty[kStages]
-  static constexpr int kDynBytes = kSmemBytes + 2 * kRedFloats * 4 + kBarBytes;
   __host__ __device__ static constexpr int dyn_bytes(int nw) {
     return smem_bytes(nw) + 2 * nw * kRows * 4 + kBarBytes;
   }
+  static constexpr int kDynBytes = dyn_bytes(kWarps);  // the full width's
 };
 
 // Whether a kernel has a transposed (N8) instantiation: fp8 caches of a specialised head
