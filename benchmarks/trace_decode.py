@@ -12,6 +12,11 @@ first CTA's entry.
 
 --fp8 traces fp8_e4m3 caches of the benchmark shapes (the transposed fp8 kernels) and
 prints each call's plan (decode_plan) first.
+
+With CuPy installed, a one-thread kernel notes the global timer on the call's stream just
+before and just after the call, so the summary also shows what the CTAs' own timers cannot:
+the time from the kernel queued before the call to the first decode CTA (launch and start)
+and from the call's last kernel to the one queued after it (the reduce's end included).
 """
 
 import ctypes
@@ -54,7 +59,34 @@ def q(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
 
 
-def summarize(name, lines, event_us):
+def stream_marker():
+    """(mark, read): mark(i) queues a one-thread kernel on torch's current stream that
+    writes the global timer (ns) into slot i (0 or 1); read() returns both slots after a
+    synchronisation. None without CuPy."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    kernel = cupy.RawKernel(
+        r"""
+        extern "C" __global__ void pa_mark(unsigned long long* out, int i) {
+          unsigned long long t;
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+          out[i] = t;
+        }""",
+        "pa_mark",
+    )
+    slots = torch.zeros(2, dtype=torch.int64, device="cuda")
+    view = cupy.asarray(slots)  # the same memory (__cuda_array_interface__)
+
+    def mark(i):
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            kernel((1,), (1,), (view, cupy.int32(i)))
+
+    return mark, lambda: [int(x) for x in slots.tolist()]
+
+
+def summarize(name, lines, event_us, marks=None):
     dec = [list(map(int, ln.split()[1:])) for ln in lines if ln.startswith("PT ")]
     red = [list(map(int, ln.split()[1:])) for ln in lines if ln.startswith("PR ")]
     if not dec:
@@ -99,6 +131,10 @@ def summarize(name, lines, event_us):
         row("reduce start", [us(r[5]) for r in red])
         row("reduce after wait", [us(r[6]) for r in red])
         row("reduce end", [us(r[7]) for r in red])
+    if marks:
+        last_end = max([us(r[16]) for r in dec] + [us(r[7]) for r in red])
+        print(f"  marker before -> first CTA {-us(marks[0]):7.2f} us   last end -> marker after "
+              f"{us(marks[1]) - last_end:7.2f} us   marker to marker {us(marks[1]) - us(marks[0]):7.2f} us")
     print(f"  per chunk: every gap {statistics.mean(per_chunk):.3f} us mean" if per_chunk else "", flush=True)
 
 
@@ -120,6 +156,7 @@ def main():
     calls = int(opts.get("calls", 2))
     modes = opts.get("modes", "flush,code,pages").split(",")
     timer = Timer(torch, 1, 3, "read")
+    marker = stream_marker()
     for sh, (qq, kc, vc, bt, sl) in suite_cases(only or ["b1 x4096", "b8 x1024", "opt-30b", "b1 x16384"]):
         kw = {}
         if "--fp8" in sys.argv:
@@ -140,12 +177,17 @@ def main():
             def one(ev=ev, run=prep.run, pre=pre[c[0]]):
                 pre()
                 torch.cuda._sleep(timer.spin_cycles)
+                if marker:
+                    marker[0](0)
                 ev[0].record()
                 run()
                 ev[1].record()
+                if marker:
+                    marker[0](1)
 
             lines = traced(one)
-            summarize(f"{sh.name} {c[0]} #{c[1]}", lines, ev[0].elapsed_time(ev[1]) * 1e3)
+            marks = marker[1]() if marker else None
+            summarize(f"{sh.name} {c[0]} #{c[1]}", lines, ev[0].elapsed_time(ev[1]) * 1e3, marks)
         del qq, kc, vc, out
 
 
