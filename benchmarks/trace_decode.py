@@ -83,6 +83,10 @@ def stream_marker():
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             kernel((1,), (1,), (view, cupy.int32(i)))
 
+    # compiled and loaded now: a first launch inside a traced call would outlast the spin
+    # that keeps the call's kernels queued back to back
+    mark(0)
+    torch.cuda.synchronize()
     return mark, lambda: [int(x) for x in slots.tolist()]
 
 
