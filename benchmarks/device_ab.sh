@@ -10,7 +10,8 @@
 # the fp8 decode shapes).
 # The "prefill" stage times prefill_bench.py --pagedattn-only ($PA_PREFILL_ARGS) with each
 # build of PA_PREFILL_BUILDS (default "base new") in turn, twice, and prints the ratios.
-# PA_AB_TREES="name=path" adds builds of other source trees.
+# PA_AB_TREES="name=path[@flags]" adds builds of other source trees. The "trace" stage runs
+# trace_decode.py with each build of PA_TRACE_BUILDS (builds with -DPAGEDATTN_TRACE).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -35,9 +36,11 @@ if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base*
 for v in ${PA_AB_EXTRA:-}; do
   n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
 done
-# PA_AB_TREES: more builds of other source trees, "name=path ..." (relative to the repository)
+# PA_AB_TREES: more builds of other source trees, "name=path[@flag%flag] ..." (paths relative
+# to the repository; the flags, if any, as PA_AB_EXTRA's)
 for v in ${PA_AB_TREES:-}; do
-  n=${v%%=*}; build "$n" "$REPO/${v#*=}" > "/tmp/ab-$n.rc" &
+  n=${v%%=*}; rest=${v#*=}; f=""; [[ $rest == *@* ]] && f=${rest#*@}
+  build "$n" "$REPO/${rest%%@*}" "${f//%/ }" > "/tmp/ab-$n.rc" &
 done
 wait
 note "$(cat /tmp/ab-*.rc | tr '\n' ' ') in $(( $(date +%s) - t0 )) s"
@@ -123,6 +126,17 @@ print(f"{'host cost (median over rounds, us)':60s} {'base':>7s} {'new':>7s}")
 for k, v in t.items():
     print(f"{k:60s} {statistics.median(v['base']):7.2f} {statistics.median(v['new']):7.2f}")
 PY
+fi
+if has trace; then  # trace_decode.py ($PA_TRACE_ARGS) with each build of PA_TRACE_BUILDS in turn,
+  # twice: builds with -DPAGEDATTN_TRACE, e.g. PA_AB_EXTRA="tr=-DPAGEDATTN_TRACE" for this tree
+  for round in 1 2; do
+    for b in ${PA_TRACE_BUILDS:-new}; do
+      note "==== trace $b$round"
+      PYTHONPATH=/tmp/ab-$b:$REPO/benchmarks timeout 200 python3 "$REPO/benchmarks/trace_decode.py" \
+        ${PA_TRACE_ARGS:-} >> "$S" 2>&1
+      note "trace $b$round: rc=$?"
+    done
+  done
 fi
 if has sweep; then
   PYTHONPATH=/tmp/ab-new:$REPO/benchmarks timeout 300 python3 "$REPO/benchmarks/plan_sweep.py" ${PA_SWEEP_ARGS:-} >> "$S" 2>&1
