@@ -129,11 +129,13 @@ PY
 fi
 if has trace; then  # trace_decode.py ($PA_TRACE_ARGS) with each build of PA_TRACE_BUILDS in turn,
   # twice: builds with -DPAGEDATTN_TRACE, e.g. PA_AB_EXTRA="tr=-DPAGEDATTN_TRACE" for this tree
+  # a % in PA_TRACE_ARGS stands for a space inside one argument: --shapes=b1%x1024,b1%x4096
+  targs=(); for a in ${PA_TRACE_ARGS:-}; do targs+=("${a//%/ }"); done
   for round in 1 2; do
     for b in ${PA_TRACE_BUILDS:-new}; do
       note "==== trace $b$round"
       PYTHONPATH=/tmp/ab-$b:$REPO/benchmarks timeout 200 python3 "$REPO/benchmarks/trace_decode.py" \
-        ${PA_TRACE_ARGS:-} >> "$S" 2>&1
+        ${targs[@]+"${targs[@]}"} >> "$S" 2>&1
       note "trace $b$round: rc=$?"
     done
   done
