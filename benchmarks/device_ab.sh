@@ -11,7 +11,8 @@
 # The "prefill" stage times prefill_bench.py --pagedattn-only ($PA_PREFILL_ARGS) with each
 # build of PA_PREFILL_BUILDS (default "base new") in turn, twice, and prints the ratios.
 # PA_AB_TREES="name=path[@flags]" adds builds of other source trees. The "trace" stage runs
-# trace_decode.py with each build of PA_TRACE_BUILDS (builds with -DPAGEDATTN_TRACE).
+# trace_decode.py with each build of PA_TRACE_BUILDS (builds with -DPAGEDATTN_TRACE;
+# PA_AB_NEW_FLAGS gives the working tree's "new" build its flags).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -30,7 +31,9 @@ build() {  # name, source[, CUDA flags]
 }
 rm -f /tmp/ab-*.rc  # a warm machine keeps the last call's
 t0=$(date +%s)
-build new "$REPO" > /tmp/ab-new.rc &
+# PA_AB_NEW_FLAGS: CUDA flags of the "new" build itself (% for a space), e.g. -DPAGEDATTN_TRACE
+# when the call only traces: no build of the tree without them is wasted then
+f=${PA_AB_NEW_FLAGS:-}; build new "$REPO" "${f//%/ }" > /tmp/ab-new.rc &
 if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
 # PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
 for v in ${PA_AB_EXTRA:-}; do
@@ -128,7 +131,7 @@ for k, v in t.items():
 PY
 fi
 if has trace; then  # trace_decode.py ($PA_TRACE_ARGS) with each build of PA_TRACE_BUILDS in turn,
-  # twice: builds with -DPAGEDATTN_TRACE, e.g. PA_AB_EXTRA="tr=-DPAGEDATTN_TRACE" for this tree
+  # twice: builds with -DPAGEDATTN_TRACE, e.g. PA_AB_NEW_FLAGS=-DPAGEDATTN_TRACE for this tree
   # a % in PA_TRACE_ARGS stands for a space inside one argument: --shapes=b1%x1024,b1%x4096
   targs=(); for a in ${PA_TRACE_ARGS:-}; do targs+=("${a//%/ }"); done
   for round in 1 2; do
