@@ -24,6 +24,9 @@ struct PrefillKernelParams {
   // block's start to token t, head h's row: t * tok_stride + h * head_stride.
   std::int64_t k_block_stride, v_block_stride;
   std::int64_t tok_stride, head_stride;
+  // The block strides and a block's row offsets all fit 32 bits (a block of fewer than 2^31
+  // elements): the Hopper kernel's token-major copies then take 32-bit products.
+  bool strides32;
   const std::int32_t* block_tables;     // [S, M]
   const std::int32_t* seq_lens;         // [S]
   const std::int32_t* query_start_loc;  // [S + 1]

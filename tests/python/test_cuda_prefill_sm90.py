@@ -317,6 +317,39 @@ def test_per_thread_default_streams_keep_their_own_counters(rng):
             assert torch.equal(out, alone), f"thread {i}, call {j}"
 
 
+def test_a_block_stride_beyond_32_bits(rng):
+    """Caches that are views with 2^31 + 4096 elements between blocks (an engine's layer
+    tensor could be that large): the token-major copies leave their 32-bit products for
+    64-bit ones (PrefillKernelParams::strides32), and every row is right. Two blocks of
+    4.3 GB apart per cache, nothing between them written or read."""
+    props = torch.cuda.get_device_properties(0)
+    block = 16 * 2 * 128  # [B, K, D] elements
+    stride = 2**31 + block
+    if props.total_memory < 24 * 2**30:
+        pytest.skip("needs about 9 GB of GPU memory")
+    seq_lens, q_lens = [32, 20], [32, 7]
+    nh, kv, d = 8, 2, 128
+    k = rng.standard_normal((2, 16, kv, d)).astype(np.float16)
+    v = rng.standard_normal((2, 16, kv, d)).astype(np.float16)
+    bt = np.array([[1, 0], [0, 1]], np.int32)
+    sl = np.array(seq_lens, np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]), nh, d)).astype(np.float16)
+    ref = paged_attention_ref(q, k, v, bt, sl, query_start_loc=qsl, layout="nhd")
+    caches = []
+    for host in (k, v):
+        store = torch.empty(stride + block, dtype=torch.float16, device="cuda")
+        view = store.as_strided((2, 16, kv, d), (stride, kv * d, d, 1))
+        view.copy_(torch.from_numpy(host))
+        caches.append(view)
+    args = [to_torch(q), *caches, to_torch(bt), to_torch(sl)]
+    for mql in (None, 32):
+        out = pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=mql, layout="nhd")
+        assert_close(to_numpy(out), ref, "float16", f"max_query_len={mql}")
+    del caches, args
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
 def test_the_hopper_kernel_with_one_block_per_item():
     """PAGEDATTN_SM90_PERSISTENT=0: the Hopper kernel on a grid of one block per work item
