@@ -148,22 +148,30 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
   if constexpr (L == CacheLayout::kNHD) {
     // Eight threads per 128-byte half row (whole lines per warp instruction), 16 tokens
     // per pass: one address per token and thread for its D / 64 halves of K and V.
+    // Strides that fit 32 bits (PrefillKernelParams::strides32; every cache short of a
+    // block of 2^31 elements) make a token's source one 32 x 32 -> 64-bit multiply-add per
+    // operand instead of 64-bit products: the producer's instructions take the issue slots
+    // of the consumers' softmax (PERF_NOTES.md, "the producer's share of the issue slots").
+    // A tile wholly inside [kv_begin, kv_end) (all but a sequence's last and a window's
+    // first) copies with no per-token check.
     const int c8 = ptid & 7, r16 = ptid >> 3;
-    if (p.strides32) {
-      // Strides that fit 32 bits (the launcher checks; every cache short of a block of 2^31
-      // elements): a token's source is one 32 x 32 -> 64-bit multiply-add per operand, and a
-      // tile wholly inside [kv_begin, kv_end) (all but a sequence's last and a window's
-      // first) copies with no per-token check. The producer's instructions share the issue
-      // slots of the consumers' softmax (PERF_NOTES.md, the producer's share).
-      const int kbs = static_cast<int>(p.k_block_stride), vbs = static_cast<int>(p.v_block_stride);
-      const int ts = static_cast<int>(p.tok_stride);
-      const int lane_off = kh * static_cast<int>(p.head_stride) + c8 * 8;
+    auto copy_tile = [&](auto wide_c) {
+      constexpr bool kWide = decltype(wide_c)::value;
       auto copy_token = [&](int k, bool live) {
         const int tt = r16 + 16 * k;
         const int blk = live ? ids[tt] : 0;
-        const int row = ((t0 + tt) & (B - 1)) * ts + lane_off;
-        const T* ksrc = kc + (static_cast<std::int64_t>(blk) * kbs + row);
-        const T* vsrc = vc + (static_cast<std::int64_t>(blk) * vbs + row);
+        const T* ksrc;
+        const T* vsrc;
+        if constexpr (kWide) {
+          const std::int64_t row = ((t0 + tt) & (B - 1)) * p.tok_stride + kh * p.head_stride + c8 * 8;
+          ksrc = kc + (blk * p.k_block_stride + row);
+          vsrc = vc + (blk * p.v_block_stride + row);
+        } else {
+          const int row = ((t0 + tt) & (B - 1)) * static_cast<int>(p.tok_stride) +
+                          kh * static_cast<int>(p.head_stride) + c8 * 8;
+          ksrc = kc + (static_cast<std::int64_t>(blk) * static_cast<int>(p.k_block_stride) + row);
+          vsrc = vc + (static_cast<std::int64_t>(blk) * static_cast<int>(p.v_block_stride) + row);
+        }
         const int n = live ? 16 : 0;
 #pragma unroll
         for (int h = 0; h < D / 64; ++h) {
@@ -182,25 +190,11 @@ __device__ __forceinline__ bool produce_kv_tile(const PrefillKernelParams& p, co
           copy_token(k, t < kv_end && t >= kv_begin);
         }
       }
-      return false;
-    }
-    const std::int64_t lane_off = kh * p.head_stride + c8 * 8;
-#pragma unroll 2
-    for (int k = 0; k < C::kBN / 16; ++k) {
-      const int tt = r16 + 16 * k, t = t0 + tt;
-      const bool live = t < kv_end && t >= kv_begin;
-      const std::int64_t blk = live ? ids[tt] : 0;
-      const std::int64_t row = (t & (B - 1)) * p.tok_stride + lane_off;
-      const T* ksrc = kc + blk * p.k_block_stride + row;
-      const T* vsrc = vc + blk * p.v_block_stride + row;
-      const int n = live ? 16 : 0;
-#pragma unroll
-      for (int h = 0; h < D / 64; ++h) {
-        const std::uint32_t o = swz(C::kBN, tt, h * 8 + c8);
-        cp_async16(ks + o, ksrc + h * 64, n);
-        cp_async16(vs + o, vsrc + h * 64, n);
-      }
-    }
+    };
+    if (p.strides32)
+      copy_tile(std::false_type{});
+    else
+      copy_tile(std::true_type{});
   } else if (t0 >= kv_begin) {
     // vllm, a tile without window-excluded tokens (every tile but a window's first): one
     // address per thread and operand, the rest constant strides; tokens from kv_end on
