@@ -27,13 +27,14 @@ system = sys.argv[1] if len(sys.argv) > 1 else "pagedattn"
 layout = sys.argv[2] if len(sys.argv) > 2 else "nhd"
 sh = SHAPES[sys.argv[3] if len(sys.argv) > 3 else "1x8192"]
 g = torch.Generator(device="cuda").manual_seed(0)
-if system == "sdpa":
-    n, nq = sh.seqs[0]
-    q = torch.randn((nq, sh.H, sh.D), device="cuda", dtype=sh.dtype, generator=g)
-    k = torch.randn((n, sh.K, sh.D), device="cuda", dtype=sh.dtype, generator=g)
-    v = torch.randn((n, sh.K, sh.D), device="cuda", dtype=sh.dtype, generator=g)
+if system == "sdpa":  # one call per sequence, as prefill_bench.py times it
+    def rand(rows, heads):
+        return torch.randn((rows, heads, sh.D), device="cuda", dtype=sh.dtype, generator=g)
+
+    seqs = [(rand(nq, sh.H), rand(n, sh.K), rand(n, sh.K)) for n, nq in sh.seqs]
     for _ in range(3):
-        sdpa_rows(q, k, v)
+        for q, k, v in seqs:
+            sdpa_rows(q, k, v)
 else:
     q, kc, vc, bt, sl, qsl = make_inputs(sh, layout, g)
     out = torch.empty_like(q)

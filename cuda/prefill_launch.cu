@@ -116,10 +116,10 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   k.tok_stride = row_st.token;
   k.head_stride = row_st.head;
   {
+    // a block's elements bound every row offset inside it (t * tok_stride + h * head_stride + d)
     constexpr std::int64_t kMax32 = 0x7fffffff;
-    const std::int64_t row_max = static_cast<std::int64_t>(p.block_size - 1) * row_st.token +
-                                 static_cast<std::int64_t>(p.num_kv_heads - 1) * row_st.head + p.head_size;
-    k.strides32 = p.k_block_stride <= kMax32 && p.v_block_stride <= kMax32 && row_max <= kMax32;
+    const std::int64_t block_elems = static_cast<std::int64_t>(p.block_size) * p.num_kv_heads * p.head_size;
+    k.strides32 = p.k_block_stride <= kMax32 && p.v_block_stride <= kMax32 && block_elems <= kMax32;
   }
   k.block_tables = p.block_tables;
   k.seq_lens = p.seq_lens;
