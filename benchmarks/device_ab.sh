@@ -34,7 +34,7 @@ t0=$(date +%s)
 # PA_AB_NEW_FLAGS: CUDA flags of the "new" build itself (% for a space), e.g. -DPAGEDATTN_TRACE
 # when the call only traces: no build of the tree without them is wasted then
 f=${PA_AB_NEW_FLAGS:-}; build new "$REPO" "${f//%/ }" > /tmp/ab-new.rc &
-if has host || has prefill || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
+if has host || { has prefill && [[ " ${PA_PREFILL_BUILDS:-base} " == *base* ]]; } || { has ab && [[ " ${PA_AB_RUNS:-=base} " == *=base* ]]; }; then build base "$BASE" > /tmp/ab-base.rc & fi
 # PA_AB_EXTRA: more builds of the working tree with compile-time flags, "name=flag%flag ..."
 for v in ${PA_AB_EXTRA:-}; do
   n=${v%%=*}; f=${v#*=}; build "$n" "$REPO" "${f//%/ }" > "/tmp/ab-$n.rc" &
@@ -89,15 +89,19 @@ for k, v in t.items():
 PY
 fi
 if has prefill; then  # the varlen benchmark (pagedattn alone) with each build in turn, twice
-  pbuilds=${PA_PREFILL_BUILDS:-base new}  # the first is the reference of the ratios
+  # PA_PREFILL_BUILDS: builds, or tag=build[+ENV=value] as PA_AB_RUNS (one build under two
+  # settings of a run-time switch); the first is the reference of the ratios
+  pbuilds=${PA_PREFILL_BUILDS:-base new}; ptags=""
   for round in 1 2; do
-    for b in $pbuilds; do
-      PYTHONPATH=/tmp/ab-$b timeout 200 python3 "$REPO/benchmarks/prefill_bench.py" --pagedattn-only \
-        ${PA_PREFILL_ARGS:-} --json "/tmp/prefill_$b$round.json" > "$OUT/prefill_$b$round.log" 2>&1
-      note "prefill $b$round: rc=$?"
+    for r in $pbuilds; do
+      tag=${r%%=*}; spec=${r#*=}; b=${spec%%+*}; envs=""; [[ $spec == *+* ]] && envs=${spec#*+}
+      [ $round = 1 ] && ptags="$ptags $tag"
+      env ${envs//+/ } PYTHONPATH=/tmp/ab-$b timeout 200 python3 "$REPO/benchmarks/prefill_bench.py" --pagedattn-only \
+        ${PA_PREFILL_ARGS:-} --json "/tmp/prefill_$tag$round.json" > "$OUT/prefill_$tag$round.log" 2>&1
+      note "prefill $tag$round: rc=$?"
     done
   done
-  python3 - $pbuilds <<'PY' | tee -a "$S"
+  python3 - $ptags <<'PY' | tee -a "$S"
 import json, statistics, sys
 bs = sys.argv[1:]
 runs = {f"{b}{r}": json.load(open(f"/tmp/prefill_{b}{r}.json")) for b in bs for r in (1, 2)}

@@ -190,10 +190,14 @@ def main():
     ]
     if args.more:
         skewed = [(n, n) for n in (4096, 64, 2048, 512, 256, 2048, 4096, 128, 1024, 64, 256, 64)]
+        mix511 = [(2048, 512)] + [(2048, 1)] * 511  # mostly empty items in the varlen kernel's grid
+        mix4x60 = [(1024, 256)] * 4 + [(4096, 1)] * 60
         shapes += [
             Shape("more: prefill 16 x 512 (GQA 32/8 d128 bf16)", [(512, 512)] * 16, 32, 8, 128, bf),
             Shape("more: 12 prompts of 64-4096 (GQA 32/8 d128 bf16)", skewed, 32, 8, 128, bf),
             Shape("more: MHA 32 x d128 f16, 8 x 1024", [(1024, 1024)] * 8, 32, 32, 128, fp),
+            Shape("more: chunk 512 at 2048 + 511 decodes at 2048", mix511, 32, 8, 128, bf),
+            Shape("more: 4 chunks of 256 at 1024 + 60 decodes at 4096", mix4x60, 32, 8, 128, bf),
         ]
     rows = []
     for sh in shapes:

@@ -50,6 +50,16 @@ bool sm90_persistent_off() {
   return off;
 }
 
+// PAGEDATTN_SM90_SURE=1: the persistent grid only when the items that cannot be empty
+// fill two rounds (the rule before empty runs were skipped; for A/B timing). Read once.
+bool sm90_sure_rule() {
+  static const bool on = [] {
+    const char* e = std::getenv("PAGEDATTN_SM90_SURE");
+    return e != nullptr && std::string_view(e) == "1";
+  }();
+  return on;
+}
+
 DecodeKernelInfo select_prefill_kernel(const DecodeParams& p) {
 #if PAGEDATTN_SM90_PREFILL
   const DeviceInfo& dev = device_info(p.device_id);
@@ -141,16 +151,19 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   // multiprocessor (its shared memory allows no more), each walking items of the tiles x
   // KV heads grid, so that the start and the stores of one item overlap the loads of the
   // next (PERF_NOTES.md). Each CTA takes its next item from a counter (the greedy deal
-  // the hardware gives blocks), but an item with nothing to do still costs its CTA a
-  // lookup where the hardware retires such a block almost for free: up to two per
-  // sequence and KV head (a gap tile of the flat grid, a one-row sequence left to the
-  // decode kernels). So the grid is persistent when the items left after those fill at
-  // least two rounds (and the item indices fit the counter's int).
+  // the hardware gives blocks). Items with nothing to do (a gap tile of the flat grid, a
+  // one-row sequence left to the decode kernels: a mixed step's grid is mostly such items)
+  // cost a fresh block its start and a lookup; a persistent CTA that finds one skips the
+  // whole run of empty tiles its lookup saw, moving the counter past them
+  // (prefill_skip_run). So the grid is persistent whenever it has two rounds of items;
+  // PAGEDATTN_SM90_SURE=1 keeps the earlier rule (only when the items that cannot be
+  // empty fill two rounds), for A/B timing. The item indices must fit the counter's int.
   const std::int64_t items = tiles * p.num_kv_heads;
   const std::int64_t sure_items = items - 2 * static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
   const int num_sms = device_info(p.device_id).num_sms;
   std::optional<CallCounters> counters;
-  if (sm90 && flat && !sm90_persistent_off() && sure_items >= 2 * num_sms && items + num_sms <= 0x7fffffff) {
+  if (sm90 && flat && !sm90_persistent_off() && (sm90_sure_rule() ? sure_items : items) >= 2 * num_sms &&
+      items + num_sms <= 0x7fffffff) {
     counters.emplace(p.device_id, stream);
     k.sched = counters->get();  // null: capture without stream-ordered allocation
   }

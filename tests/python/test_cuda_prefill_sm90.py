@@ -187,11 +187,12 @@ def run_tests_with(variable, value, tests):
     return env
 
 
-def persistent_items(seq_lens_q, num_kv_heads, group):
+def persistent_items(seq_lens_q, num_kv_heads, group, sure=False):
     """The items the Hopper kernel's persistent grid is chosen by (prefill_launch.cu):
-    tiles x KV heads less two per sequence and KV head; persistent from 2 x the SMs."""
+    tiles x KV heads (sure: less two per sequence and KV head, the items that may be
+    empty, as PAGEDATTN_SM90_SURE=1 has it); persistent from 2 x the SMs."""
     tiles = -(-sum(seq_lens_q) * group // 128) + len(seq_lens_q)
-    return (tiles - 2 * len(seq_lens_q)) * num_kv_heads
+    return (tiles - (2 * len(seq_lens_q) if sure else 0)) * num_kv_heads
 
 
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
@@ -279,6 +280,49 @@ def test_items_back_to_back_in_one_block(rng, layout):
         tkw = {k: to_torch(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
         out = pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=max(q_lens), **tkw)
         assert_close(to_numpy(out), ref, dtype, name)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_a_mixed_batch_of_mostly_empty_items(rng, layout):
+    """A chunked-prefill step of two chunks among many decodes (and sequences with no query
+    row this step): the flat grid's items are mostly empty (a decode row's item: those rows
+    go to the decode kernels), and the persistent blocks skip whole runs of them, moving
+    the item counter past each run. Every row against float64 with NaN in every unused
+    cache slot, and the call repeated bit for bit (an item is the same whichever block
+    takes it; a counter left moved by a skip would show as rows never written); the same
+    test runs with one block per item (PAGEDATTN_SM90_SURE=1, in a subprocess)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kv, group = 8, 4
+    n_dec = 2 * sms
+    seq_lens = [700] + [int(n) for n in rng.integers(1, 600, size=n_dec)] + [333]
+    q_lens = [300] + [0 if i % 7 == 3 else 1 for i in range(n_dec)] + [333]
+    if HOPPER and family() == "sm90_wgmma":
+        assert persistent_items(q_lens, kv, group) >= 2 * sms, "the shape must take the persistent grid"
+        assert persistent_items(q_lens, kv, group, sure=True) < 2 * sms, "and not under the earlier rule"
+    pb, q, qsl, _ = varlen(rng, seq_lens, q_lens, dtype=DTYPES[-1], layout=layout, num_heads=kv * group,
+                           num_kv_heads=kv, head_size=128, block_size=16)  # fmt: skip
+    ref = paged_attention_ref(q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, query_start_loc=qsl)
+    args = [to_torch(a) for a in (q, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens)]
+    outs = []
+    for _ in range(3):
+        out = torch.full_like(args[0], float("nan"))
+        pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=max(q_lens), out=out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert_close(to_numpy(outs[0]), ref, DTYPES[-1], layout)
+    for i, out in enumerate(outs[1:]):
+        assert torch.equal(out, outs[0]), f"call {i + 2}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Hopper kernel only")
+def test_mixed_batches_under_the_earlier_persistence_rule():
+    """PAGEDATTN_SM90_SURE=1: a grid whose items may be mostly empty takes one block per
+    item; the mixed-batch tests pass that way too."""
+    if family() != "sm90_wgmma":
+        pytest.skip("this build has no Hopper kernels")
+    run_tests_with("PAGEDATTN_SM90_SURE", "1", [
+        "test_cuda_prefill_sm90.py::test_a_mixed_batch_of_mostly_empty_items",
+        "test_cuda_prefill.py::test_mixed_batch"])  # fmt: skip
 
 
 def test_per_thread_default_streams_keep_their_own_counters(rng):
