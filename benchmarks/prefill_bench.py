@@ -68,6 +68,17 @@ class Shape:
         self.kv_bytes = sum(n for n, _ in seqs) * self.K * self.D * 2 * torch.finfo(dtype).bits // 8
 
 
+def mixed_shapes(n_decodes, dtype, name=None):
+    """The mixed step (a 512-row chunk at 2048 plus n_decodes one-row sequences at 2048,
+    GQA 32/8 d128) and, for 127 decodes, its two parts alone: shared with profile_mixed.py."""
+    chunk, decodes = [(2048, 512)], [(2048, 1)] * n_decodes
+    mixed = Shape(name or f"mixed: chunk 512 at 2048 + {n_decodes} decodes at 2048", chunk + decodes, 32, 8, 128, dtype)
+    if n_decodes != 127:
+        return [mixed]
+    return [mixed, Shape("  its chunk alone", chunk, 32, 8, 128, dtype),
+            Shape("  its 127 decodes alone", decodes, 32, 8, 128, dtype)]  # fmt: skip
+
+
 def make_inputs(sh, layout, g):
     nb = sum(-(-n // B) for n, _ in sh.seqs)
     kshape, vshape = pagedattn.kv_cache_shape(nb, B, sh.K, sh.D, str(sh.dtype).split(".")[1], layout)
@@ -182,21 +193,18 @@ def main():
         Shape("prefill 1 x 8192 (GQA 32/8 d128 bf16)", [(8192, 8192)], 32, 8, 128, bf),
         Shape("prefill 8 x 1024 (GQA 32/8 d128 bf16)", [(1024, 1024)] * 8, 32, 8, 128, bf),
         Shape("chunk 2048 over 14336 (GQA 32/8 d128 bf16)", [(16384, 2048)], 32, 8, 128, bf),
-        Shape("mixed: chunk 512 at 2048 + 127 decodes at 2048", [(2048, 512)] + [(2048, 1)] * 127, 32, 8, 128, bf),
-        Shape("  its chunk alone", [(2048, 512)], 32, 8, 128, bf),
-        Shape("  its 127 decodes alone", [(2048, 1)] * 127, 32, 8, 128, bf),
+        *mixed_shapes(127, bf),
         Shape("seed step 2 (OPT-125m 12 x d64 f16)", [(485, 1), (484, 456)], 12, 12, 64, fp),
         Shape("MHA 32 x d128 f16, 4 x 2048", [(2048, 2048)] * 4, 32, 32, 128, fp),
     ]
     if args.more:
         skewed = [(n, n) for n in (4096, 64, 2048, 512, 256, 2048, 4096, 128, 1024, 64, 256, 64)]
-        mix511 = [(2048, 512)] + [(2048, 1)] * 511  # mostly empty items in the varlen kernel's grid
         mix4x60 = [(1024, 256)] * 4 + [(4096, 1)] * 60
         shapes += [
             Shape("more: prefill 16 x 512 (GQA 32/8 d128 bf16)", [(512, 512)] * 16, 32, 8, 128, bf),
             Shape("more: 12 prompts of 64-4096 (GQA 32/8 d128 bf16)", skewed, 32, 8, 128, bf),
             Shape("more: MHA 32 x d128 f16, 8 x 1024", [(1024, 1024)] * 8, 32, 32, 128, fp),
-            Shape("more: chunk 512 at 2048 + 511 decodes at 2048", mix511, 32, 8, 128, bf),
+            *mixed_shapes(511, bf, "more: chunk 512 at 2048 + 511 decodes at 2048"),  # mostly empty varlen items
             Shape("more: 4 chunks of 256 at 1024 + 60 decodes at 4096", mix4x60, 32, 8, 128, bf),
         ]
     rows = []

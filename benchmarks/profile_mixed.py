@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill_bench import Shape, make_inputs  # noqa: E402
+from prefill_bench import make_inputs, mixed_shapes  # noqa: E402
 
 import pagedattn  # noqa: E402
 
@@ -86,12 +86,7 @@ def main():
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
-    shapes = [
-        Shape("mixed: chunk 512 at 2048 + 127 decodes at 2048", [(2048, 512)] + [(2048, 1)] * 127, 32, 8, 128, bf),
-        Shape("  its chunk alone", [(2048, 512)], 32, 8, 128, bf),
-        Shape("  its 127 decodes alone", [(2048, 1)] * 127, 32, 8, 128, bf),
-        Shape("chunk 512 at 2048 + 511 decodes at 2048", [(2048, 512)] + [(2048, 1)] * 511, 32, 8, 128, bf),
-    ]
+    shapes = mixed_shapes(127, bf) + mixed_shapes(511, bf)
     rule = "sure items" if os.environ.get("PAGEDATTN_SM90_SURE") == "1" else "all items"
     print(f"{torch.cuda.get_device_name()}; persistence rule: {rule}")
     rows = []
