@@ -696,6 +696,33 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       }
       const char* kh_base = kc + kvh * head_bytes;  // the KV head's rows in block 0
       const char* vh_base = vc + kvh * head_bytes;
+      if constexpr (HEAD * C::kE == 256 || HEAD * C::kE == 512) {
+        if (B >= 16) {
+          // A chunk (16 tokens from a multiple of 16) lies in one block, its token t at row
+          // mod_b(t0) + t, and with nck (16 or 32) dividing 32 a lane copies the same piece j
+          // of rows 32 / nck apart: one base address and a fixed stride, no division by B per
+          // piece (with one per piece, the nhd kernel issued 1.6x the vllm kernel's
+          // instructions per unit of time and took 1.1x its time: an H200, b32 x4096). Rows
+          // of 128 bytes keep the loop below: this one took the d64 kernel from 122 to 158
+          // registers, a CTA less per multiprocessor.
+          constexpr int kNck = HEAD * C::kE / 16, kRowStep = 32 / kNck;
+          const int j = lane % kNck, t_lane = lane / kNck;
+          const int live = idA >= 0 ? tok_end - t0 : 0;  // the chunk's tokens that exist
+          const std::int64_t blk = idA >= 0 ? idA : 0;
+          const std::int64_t off = static_cast<std::int64_t>(mod_b(t0) + t_lane) * tok_bytes + j * 16;
+          const char* ksrc = kh_base + blk * k_block_bytes + off;
+          const char* vsrc = vh_base + blk * v_block_bytes + off;
+          const std::int64_t step = kRowStep * tok_bytes;
+#pragma unroll
+          for (int it = 0; it < 16 / kRowStep; ++it, ksrc += step, vsrc += step) {
+            const int t = t_lane + it * kRowStep;
+            const bool ok = t < live;
+            cp_async16(ks + k_off<L, C::kKChunks>(j, t), ok ? ksrc : kc, ok ? 16 : 0);
+            cp_async16(vs + v_off<C>(t, j), ok ? vsrc : vc, ok ? 16 : 0);
+          }
+          return;
+        }
+      }
       if (!per_token) {
         // One block id per half chunk: its block offsets computed once, each lane's pieces
         // a plain strided loop (no shuffles: this loop is the kernel's copy issue rate).
