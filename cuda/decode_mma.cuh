@@ -55,6 +55,16 @@ namespace pagedattn::cuda_backend {
 #ifndef PAGEDATTN_MMA_FP8_WARPS
 #define PAGEDATTN_MMA_FP8_WARPS 8
 #endif
+// The planner's lone-CTA rate (bytes per us) of the 16-bit nhd / hnd kernels whose rows are
+// 256 or 512 bytes (MmaDecodeConfig::kCtaBw), a knob for fitting it: 16 since their copies
+// take no division per piece. On an H200, 26 (vllm's) against 13 (the rate before):
+// b32 x16384 495 against 541 us and b32 x4096 132 against 135 (single pass against 5 and
+// 3 partitions), but b8 x4096 44.4 against 43.4 and b8 x16384 136.3 against 134.5 (4
+// partitions against 6). 16 plans each of those shapes as the faster of the two did, except
+// b8 x4096 (4 partitions); the H100's plans are the same at 13 and 16.
+#ifndef PAGEDATTN_NHD_ROW_CTA_BW
+#define PAGEDATTN_NHD_ROW_CTA_BW 16.0e3
+#endif
 
 // The stage room the line-rounded blocks of small_page_stride() add: the most over pages
 // of 2, 4 and 8 (for generic head sizes, 16 / B blocks of up to 112 bytes).
@@ -127,8 +137,12 @@ struct MmaDecodeConfig {
   // does (an H100 sweep of pages 2-8 at b8 x16384: 26 planned 2 x 8192, 300-423 us, where
   // 1024-token partitions took 200-235); not re-fitted since it copies whole key slabs.
   // The transposed fp8 kernels' rates are per 4 warps, scaled by their warps per CTA.
+  // 16-bit nhd rows of 256 or 512 bytes (d128, d256) are copied from one base and a fixed
+  // stride (kStridedRows), faster: PAGEDATTN_NHD_ROW_CTA_BW.
+  static constexpr bool kStridedRows = L != CacheLayout::kVLLM && (HEAD * kE == 256 || HEAD * kE == 512);
   static constexpr double kCtaBw =
-      (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3) : (kE == 2 ? 13.0e3 : 8.5e3)) *
+      (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
+                                     : (kE == 2 ? (kStridedRows ? PAGEDATTN_NHD_ROW_CTA_BW : 13.0e3) : 8.5e3)) *
       (N8 ? kWarps / 4.0 : 1.0);
   // The transposed kernels also run CTAs of kNarrowWarps (the launch's block size says which).
   static constexpr int kNarrowWarps = N8 ? kWarps / 2 : kWarps;
@@ -696,7 +710,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       }
       const char* kh_base = kc + kvh * head_bytes;  // the KV head's rows in block 0
       const char* vh_base = vc + kvh * head_bytes;
-      if constexpr (HEAD * C::kE == 256 || HEAD * C::kE == 512) {
+      if constexpr (C::kStridedRows) {
         if (B >= 16) {
           // A chunk (16 tokens from a multiple of 16) lies in one block, its token t at row
           // mod_b(t0) + t, and with nck (16 or 32) dividing 32 a lane copies the same piece j

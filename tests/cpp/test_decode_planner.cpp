@@ -137,6 +137,17 @@ PA_TEST(a_slower_cta_gets_more_partitions) {
   PA_CHECK_EQ(make_plan(shape(32, 32, 8, 128, 16384), kTensorCore, h200).num_partitions, 1);
   PA_CHECK(make_plan(shape(32, 32, 8, 128, 16384), nhd, h200).num_partitions >= 4);
   PA_CHECK_EQ(make_plan(shape(128, 32, 8, 128, 4096), nhd, h200).num_partitions, 1);
+  // The nhd kernels of d128 / d256 rows copy from one base and a fixed stride, at 16
+  // bytes/ns (PAGEDATTN_NHD_ROW_CTA_BW; H200, both rates' plans timed on one machine):
+  // b32 x 4096 and x 16384 single pass as the vllm kernel (132 / 495 us against 135 / 541
+  // in 3 / 5 partitions), b8 x 16384 still in 6 (134.5 us, 136.3 in 4); the H100 plans as at 13.
+  const KernelShape nhd_rows{128, 16, 3, 16.0e3};
+  PA_CHECK_EQ(make_plan(shape(32, 32, 8, 128, 4096), nhd, h200).num_partitions, 3);
+  PA_CHECK_EQ(make_plan(shape(32, 32, 8, 128, 4096), nhd_rows, h200).num_partitions, 1);
+  PA_CHECK_EQ(make_plan(shape(32, 32, 8, 128, 16384), nhd_rows, h200).num_partitions, 1);
+  PA_CHECK_EQ(make_plan(shape(8, 32, 8, 128, 16384), nhd_rows, h200).num_partitions, 6);
+  for (const Expected& e : kSuite)
+    PA_CHECK_EQ(make_plan(e.shape, nhd_rows, h100).num_partitions, make_plan(e.shape, nhd, h100).num_partitions);
   // an fp8 stage holds half the bytes: half the lone-CTA rate, half the bytes per CTA
   const KernelShape vllm_fp8{128, 16, 3, 13.0e3};
   PA_CHECK_EQ(make_plan(shape(8, 32, 8, 128, 16384, 1), vllm_fp8, h100).num_partitions, 4);
