@@ -718,8 +718,8 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
           // of rows 32 / nck apart: one base address and a fixed stride, no division by B per
           // piece (with one per piece, the nhd kernel issued 1.6x the vllm kernel's
           // instructions per unit of time and took 1.1x its time: an H200, b32 x4096). Rows
-          // of 128 bytes keep the loop below: this one took the d64 kernel from 122 to 158
-          // registers, a CTA less per multiprocessor.
+          // of 128 bytes keep the loop below (this one took the d64 kernel from 122 to 158
+          // registers, a CTA less per multiprocessor), and so do the fp8 kernels (kStridedRows).
           constexpr int kNck = HEAD * C::kE / 16, kRowStep = 32 / kNck;
           const int j = lane % kNck, t_lane = lane / kNck;
           const int live = idA >= 0 ? tok_end - t0 : 0;  // the chunk's tokens that exist
