@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
+import sys
 
-KBM = KBN = 128  # packed rows per row tile; keys per key tile
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deal_sim import tiles_of  # noqa: E402  (a row tile's key tiles, the same flat grid)
+
+KBM = 128  # packed rows per row tile (deal_sim.ROWS)
 G, K = 4, 8  # query heads per KV head; KV heads (GQA 32/8)
 
 
@@ -61,8 +66,7 @@ def lookup(qsl, seq_lens, c, persistent, wide):
 
 def key_tiles(qsl, seq_lens, s, tile):
     q = qsl[s + 1] - qsl[s]
-    last_row = min(q * G, (tile + 1) * KBM) - 1
-    return -(-(seq_lens[s] - q + last_row // G + 1) // KBN)
+    return tiles_of(q, seq_lens[s] - q, G)[tile]
 
 
 def simulate(mode, qsl, seq_lens, a):
