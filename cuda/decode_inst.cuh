@@ -79,4 +79,10 @@ DecodeKernelInfo dispatch_layout(CacheLayout l, Fn&& fn) {
 template <class T, KVCacheDType F>
 DecodeKernelInfo decode_kernel(int head, CacheLayout layout, int block_size, int group);
 
+// Defined in cuda/prefill_inst.cuh, instantiated in inst_prefill_*.cu: the varlen kernel of
+// a (query dtype, cache kind) pair for a head size and layout. Declared here so that the
+// launcher does not instantiate (and embed a second copy of) every varlen kernel.
+template <class T, KVCacheDType F>
+DecodeKernelInfo prefill_kernel(int head, CacheLayout layout);
+
 }  // namespace pagedattn::cuda_backend

@@ -12,10 +12,11 @@
 #include <string_view>
 
 #include "cuda/decode_dispatch.cuh"
+#include "cuda/decode_inst.cuh"
 #include "cuda/device.cuh"
 #include "cuda/error_record.cuh"
-#include "cuda/prefill_inst.cuh"
 #include "cuda/prefill_launch.cuh"
+#include "cuda/prefill_params.cuh"
 #include "cuda/scratch_pool.cuh"
 #if PAGEDATTN_SM90_PREFILL
 #include "cuda/sm90/prefill_sm90.h"
