@@ -140,7 +140,9 @@ struct MmaDecodeConfig {
   // 16-bit nhd rows of 256 or 512 bytes (d128, d256) are copied from one base and a fixed
   // stride (kStridedRows), faster: PAGEDATTN_NHD_ROW_CTA_BW. fp8 kernels keep the general
   // loop, whose token % B is a mask for them (kShiftB): the strided one would only add code.
-  static constexpr bool kStridedRows = L != CacheLayout::kVLLM && kE == 2 && (HEAD == 128 || HEAD == 256);
+  // (branch: the transposed fp8 kernels of d128 too, 128-byte rows of 8 pieces, 4 rows per lane)
+  static constexpr bool kStridedRows =
+      L != CacheLayout::kVLLM && ((kE == 2 && (HEAD == 128 || HEAD == 256)) || (N8 && HEAD == 128));
   static constexpr double kCtaBw =
       (L == CacheLayout::kVLLM && !S ? (kE == 2 ? 26.0e3 : 13.0e3)
                                      : (kE == 2 ? (kStridedRows ? PAGEDATTN_NHD_ROW_CTA_BW : 13.0e3) : 8.5e3)) *
