@@ -32,6 +32,19 @@ double PlanModel::us(std::int64_t ctas, double cta_bytes, bool partials) const {
   double t = streamed * cta_bytes / rate + static_cast<double>(c) * kCtaUs +
              kRoundUs * static_cast<double>((c + slots - 1) / slots);
   if (c > slots) t += kTail * cta_bytes / cta_bw;
+  // A grid of one to three rounds whose last round is short: the CTAs of the full rounds
+  // end together, and the r left (at most one per multiprocessor) then stream alone, at
+  // min(cta_bw, bw / r) each, instead of sharing the memory with the others. What that costs
+  // beyond the bandwidth-bound time of their bytes is added (H200, bf16, both layouts: b56 /
+  // b64 / b112 x4096 single pass 290 / 295 / 469 us, partitioned 231 / 255 / 437;
+  // PERF_NOTES.md, "Decode: grids of a round and a bit"). From three rounds on, the rounds
+  // have drifted apart and the tail is spread (b160 x2048 single pass is as fast as any split).
+  const std::int64_t wave = static_cast<std::int64_t>(sms) * slots;
+  const std::int64_t r = ctas % wave;
+  if (ctas > wave && ctas < 3 * wave && r != 0 && r <= sms) {
+    const double lone = std::min(cta_bw, bw / static_cast<double>(r));
+    t += std::max(0.0, cta_bytes / lone - static_cast<double>(r) * cta_bytes / bw);
+  }
   if (partials) t += kReduceUs + 2.0 * static_cast<double>(ctas) * part_bytes / bw;
   return t;
 }

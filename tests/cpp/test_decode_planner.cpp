@@ -247,6 +247,34 @@ PA_TEST(plan_model_charges_rounds_and_the_reduce) {
   PA_CHECK(m.us(1, 26.0e3 * 10.0, false) > 10.0);
 }
 
+PA_TEST(a_short_last_round_is_split) {
+  // Grids of one to three rounds of CTAs whose last round has at most one CTA per
+  // multiprocessor: those stream alone at the lone-CTA rate. H200, vllm bf16 (3 slots, 396
+  // CTAs a round), us single pass / split (PERF_NOTES.md, "Decode: grids of a round and a
+  // bit"): b56 x4096 290 / 237 (3), b64 x4096 295 / 264 (2), b112 x4096 469 / 449 (2),
+  // b64 x2048 155 / 140 (2). Single pass stays where it measured best: last rounds of more
+  // than a CTA per multiprocessor (b80 x4096, b128 x2048) and grids of three rounds or more
+  // (b160 x2048).
+  const DeviceShape h200{kSms, kH200Bw}, h100{kSms, kH100Bw};
+  PA_CHECK_EQ(make_plan(shape(56, 32, 8, 128, 4096), kTensorCore, h200).num_partitions, 3);
+  PA_CHECK_EQ(make_plan(shape(64, 32, 8, 128, 4096), kTensorCore, h200).num_partitions, 2);
+  PA_CHECK_EQ(make_plan(shape(112, 32, 8, 128, 4096), kTensorCore, h200).num_partitions, 2);
+  PA_CHECK_EQ(make_plan(shape(64, 32, 8, 128, 2048), kTensorCore, h200).num_partitions, 2);
+  for (const int S : {48, 80, 96})
+    PA_CHECK_EQ(make_plan(shape(S, 32, 8, 128, 4096), kTensorCore, h200).num_partitions, 1);
+  for (const int S : {96, 128, 160})
+    PA_CHECK_EQ(make_plan(shape(S, 32, 8, 128, 2048), kTensorCore, h200).num_partitions, 1);
+  // On the H100 a multiprocessor's share of the bandwidth (23 bytes/ns) is below a vllm
+  // CTA's lone rate, so a lone CTA loses little: single pass as before.
+  PA_CHECK_EQ(make_plan(shape(64, 32, 8, 128, 4096), kTensorCore, h100).num_partitions, 1);
+  // The model: the same bytes in a grid of a round and a few CTAs cost more than the
+  // bandwidth-bound time of those few CTAs' bytes; a full last round adds nothing.
+  const PlanModel m{kSms, 3, kH200Bw, 26.0e3, 0.0};
+  const double b = 2.0e6;
+  PA_CHECK(m.us(3 * kSms + 10, b, false) - m.us(3 * kSms, b, false) > 0.9 * (b / 26.0e3 - 10 * b / kH200Bw));
+  PA_CHECK(m.us(6 * kSms, b, false) - m.us(3 * kSms, b, false) < 1.1 * (3 * kSms * b / kH200Bw) + 20.0);
+}
+
 PA_TEST(sliding_window_plans_for_the_window_not_the_context) {
   // A 4096-token window over 32k contexts: the CTAs stream at most W + 15 tokens from the
   // window's chunk-aligned start, so the plan is that of a W + 16 token context.
