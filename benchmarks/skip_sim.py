@@ -1,12 +1,13 @@
 """The Hopper varlen kernel's lookups on a mixed step, simulated: how many items a
-persistent grid looks up, and how often the skip of empty runs (`prefill_skip_run`) moves
-the item counter, for the grid without persistence, persistent without the skip, the skip
-of main (the last search round's own sequences) and the wider one of the branch
+persistent grid looks up, and how often a skip of empty runs would move the item counter,
+for the grid without persistence, persistent without the skip (the kernel now), the skip
+the kernel had until 2026-11-29 (`prefill_skip_run`: the last search round's own
+sequences; removed, since it measured no faster) and the wider one of the branch
 `wip/skip-wide` (the 32 sequences up to the round's end).
 
 The lookup mirrors `prefill_item_warp` (cuda/prefill_params.cuh) for valid index arrays:
-a two-round search of the flat grid's first() values, then the run of empty tiles below
-the found tile among the last round's sequences. The deal mirrors `prefill_item_index`:
+a two-round search of the flat grid's first() values, then (for the skips) the run of
+empty tiles below the found tile among the last round's sequences. The deal mirrors `prefill_item_index`:
 CTA b takes item b first, and from then on holds one index prefetched from the counter,
 taken before each lookup. Time is modelled, not measured: a lookup costs `--lookup-us`, a
 fresh block `--start-us`, an item with rows `--item-us` plus `--tile-us` per key tile.

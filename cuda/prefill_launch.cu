@@ -52,7 +52,7 @@ bool sm90_persistent_off() {
 }
 
 // PAGEDATTN_SM90_SURE=1: the persistent grid only when the items that cannot be empty
-// fill two rounds (the rule before empty runs were skipped; for A/B timing). Read once.
+// fill two rounds (the earlier rule; for A/B timing). Read once.
 bool sm90_sure_rule() {
   static const bool on = [] {
     const char* e = std::getenv("PAGEDATTN_SM90_SURE");
@@ -154,11 +154,11 @@ void paged_attention_varlen(const DecodeParams& p, cudaStream_t stream, bool ski
   // next (PERF_NOTES.md). Each CTA takes its next item from a counter (the greedy deal
   // the hardware gives blocks). Items with nothing to do (a gap tile of the flat grid, a
   // one-row sequence left to the decode kernels: a mixed step's grid is mostly such items)
-  // cost a fresh block its start and a lookup; a persistent CTA that finds one skips the
-  // whole run of empty tiles its lookup saw, moving the counter past them
-  // (prefill_skip_run). So the grid is persistent whenever it has two rounds of items;
-  // PAGEDATTN_SM90_SURE=1 keeps the earlier rule (only when the items that cannot be
-  // empty fill two rounds), for A/B timing. The item indices must fit the counter's int.
+  // cost a fresh block its start and a lookup, a persistent CTA only the lookup. So the
+  // grid is persistent whenever it has two rounds of items; PAGEDATTN_SM90_SURE=1 keeps
+  // the earlier rule (only when the items that cannot be empty fill two rounds), for A/B
+  // timing. (Moving the counter past a run of empty items, as the kernel once did, measured
+  // no faster on an H200: PERF_NOTES.md.) The item indices must fit the counter's int.
   const std::int64_t items = tiles * p.num_kv_heads;
   const std::int64_t sure_items = items - 2 * static_cast<std::int64_t>(p.num_seqs) * p.num_kv_heads;
   const int num_sms = device_info(p.device_id).num_sms;

@@ -118,8 +118,6 @@ struct PrefillItem {
   int kind;  // kItemAttend, kItemNaN (invalid index arrays: the rows get NaN), kItemSkip or kItemEnd
   int seq, row0, rows, r_lo, r_hi, r_end;  // rows [r_lo, r_hi) computed, or [r_lo, r_end) filled with NaN
   int ctx, kv_begin, kv_end;               // context before the rows; the keys the CTA reads
-  // (kItemSkip of a persistent grid: ctx is the lowest tile of the run of empty tiles that
-  // ends at this one, every KV head's item of which the CTA may skip; prefill_item_warp)
 };
 constexpr int kItemAttend = 0, kItemNaN = 1, kItemSkip = 2, kItemEnd = 3;  // kItemEnd: no more work
 
@@ -147,7 +145,6 @@ template <int kBM>
 __device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelParams& p, int c, int top) {
   PrefillItem it{};
   it.kind = kItemSkip;
-  it.ctx = c;  // a skipped tile: this one alone, unless a run is found below
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int G = p.group;
   int lo = p.flat_tiles ? 0 : static_cast<int>(blockIdx.z);
@@ -172,26 +169,6 @@ __device__ __forceinline__ PrefillItem prefill_item_warp(const PrefillKernelPara
       lo = nlo;
       continue;
     }
-    // The run of empty tiles down from c (a persistent grid skips their items: one lookup
-    // each would cost more than the rest of a mixed step's varlen work, PERF_NOTES.md): the
-    // tiles of this round's sequences lo .. s that have no rows for this kernel (no query
-    // row, or one row the decode kernels serve, of a sequence without a fault) and the gaps
-    // between them, down to the first tile past the last sequence that has some. Only where
-    // the round's sequences lie in order (each one's tiles end before the next one's
-    // first, as a valid query_start_loc makes them); otherwise the tile c alone.
-    int run_lo = c;
-    if (p.persistent) {
-      const std::int64_t q_own = static_cast<std::int64_t>(b) - a;
-      const bool empty = in && (q_own <= 0 || (q_own == 1 && p.skip_single && prefill_seq_fault(p, a, b, len) == 0));
-      const std::int64_t past = first + (q_own > 0 ? (q_own * G + kBM - 1) / kBM : 0);  // past its tiles
-      const std::int64_t first_up = __shfl_down_sync(0xffffffffu, first, 1);
-      const bool ordered = __all_sync(0xffffffffu, lane >= k || past <= first_up);
-      const unsigned busy = ~__ballot_sync(0xffffffffu, empty) & ((2u << k) - 1u);  // lanes <= k with rows
-      const std::int64_t lowest =
-          busy ? __shfl_sync(0xffffffffu, past, 31 - __clz(busy)) : __shfl_sync(0xffffffffu, first, 0);
-      if (ordered) run_lo = static_cast<int>(lowest < 0 ? 0 : (lowest > c ? c : lowest));
-    }
-    it.ctx = run_lo;
     // the sequence: lane k holds its values
     const int s = lo + k;
     a = __shfl_sync(0xffffffffu, a, k);
@@ -254,19 +231,6 @@ __device__ __forceinline__ int prefill_item_index(const PrefillKernelParams& p, 
     atomicExch(&p.sched[1], 0);
   }
   return -1;
-}
-
-// A persistent CTA's next item once its item showed the tiles down to run_lo empty: the
-// counter is moved past their items (all KV heads of each), and the CTA takes the item
-// after them (its prefetched `next`, inside the run, is dropped). Called by the lane that
-// holds `next`. The max and the add are on one address, in this thread's order, and the
-// add's value is used before the CTA can count itself done (prefill_item_index), so the
-// reset at the end of the launch comes after both.
-__device__ __forceinline__ void prefill_skip_run(const PrefillKernelParams& p, int run_lo, int& next) {
-  const int end = (p.tiles - run_lo) * p.num_kv_heads;  // the first item of the tile below the run
-  if (next >= end) return;
-  atomicMax(&p.sched[0], end - static_cast<int>(gridDim.x));
-  next = static_cast<int>(gridDim.x) + atomicAdd(&p.sched[0], 1);
 }
 
 // Item j's tile index c in the grid (counted from the top, so the longest tiles come first)

@@ -466,7 +466,6 @@ __global__ void __launch_bounds__(384, 1) prefill_sm90_kernel(const __grid_const
         if (ptid == 0) {
           lookup[k & 1].item = it;
           lookup[k & 1].kh = kh;
-          if (p.persistent && j >= 0 && it.kind == kItemSkip) prefill_skip_run(p, it.ctx, next);
         }
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup alone

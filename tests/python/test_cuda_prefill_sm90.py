@@ -286,11 +286,11 @@ def test_items_back_to_back_in_one_block(rng, layout):
 def test_a_mixed_batch_of_mostly_empty_items(rng, layout):
     """A chunked-prefill step of two chunks among many decodes (and sequences with no query
     row this step): the flat grid's items are mostly empty (a decode row's item: those rows
-    go to the decode kernels), and the persistent blocks skip whole runs of them, moving
-    the item counter past each run. Every row against float64 with NaN in every unused
-    cache slot, and the call repeated bit for bit (an item is the same whichever block
-    takes it; a counter left moved by a skip would show as rows never written); the same
-    test runs with one block per item (PAGEDATTN_SM90_SURE=1, in a subprocess)."""
+    go to the decode kernels), which the persistent blocks look up and pass over. Every
+    row against float64 with NaN in every unused cache slot, and the call repeated bit for
+    bit (an item is the same whichever block takes it; a counter left moved would show as
+    rows never written); the same test runs with one block per item
+    (PAGEDATTN_SM90_SURE=1, in a subprocess)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv, group = 8, 4
     n_dec = 2 * sms
