@@ -361,11 +361,13 @@ def test_per_thread_default_streams_keep_their_own_counters(rng):
             assert torch.equal(out, alone), f"thread {i}, call {j}"
 
 
-def test_a_block_stride_beyond_32_bits(rng):
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_a_block_stride_beyond_32_bits(rng, layout):
     """Caches that are views with 2^31 + 4096 elements between blocks (an engine's layer
-    tensor could be that large): the token-major copies leave their 32-bit products for
-    64-bit ones (PrefillKernelParams::strides32), and every row is right. Two blocks of
-    4.3 GB apart per cache, nothing between them written or read."""
+    tensor could be that large): the copies of token-major rows leave their 32-bit products
+    for 64-bit ones (PrefillKernelParams::strides32), the vllm copies take 64-bit products
+    always, and every row is right in both layouts. Two blocks of 4.3 GB apart per cache,
+    nothing between them written or read."""
     props = torch.cuda.get_device_properties(0)
     block = 16 * 2 * 128  # [B, K, D] elements
     stride = 2**31 + block
@@ -380,16 +382,22 @@ def test_a_block_stride_beyond_32_bits(rng):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((int(qsl[-1]), nh, d)).astype(np.float16)
     ref = paged_attention_ref(q, k, v, bt, sl, query_start_loc=qsl, layout="nhd")
+    if layout == "vllm":  # keys [N, K, D/8, B, 8], values [N, K, D, B]
+        hosts = [k.reshape(2, 16, kv, d // 8, 8).transpose(0, 2, 3, 1, 4), v.transpose(0, 2, 3, 1)]
+    else:
+        hosts = [k, v]
     caches = []
-    for host in (k, v):
+    for host in hosts:
+        host = np.ascontiguousarray(host)
+        inner = tuple(s // host.itemsize for s in host.strides[1:])
         store = torch.empty(stride + block, dtype=torch.float16, device="cuda")
-        view = store.as_strided((2, 16, kv, d), (stride, kv * d, d, 1))
+        view = store.as_strided(host.shape, (stride,) + inner)
         view.copy_(torch.from_numpy(host))
         caches.append(view)
     args = [to_torch(q), *caches, to_torch(bt), to_torch(sl)]
     for mql in (None, 32):
-        out = pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=mql, layout="nhd")
-        assert_close(to_numpy(out), ref, "float16", f"max_query_len={mql}")
+        out = pagedattn.paged_attention(*args, query_start_loc=to_torch(qsl), max_query_len=mql, layout=layout)
+        assert_close(to_numpy(out), ref, "float16", f"{layout}, max_query_len={mql}")
     del caches, args
     torch.cuda.empty_cache()
 

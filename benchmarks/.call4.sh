@@ -1,3 +1,0 @@
-R=$(pwd)
-PA_AB_STAGES="test ab" PA_TEST_TIMEOUT=200 PA_TESTS="-n 8 tests/python/test_cuda_decode.py tests/python/test_cuda_layouts.py tests/python/test_cuda_variants.py tests/python/test_cuda_prefill_sm90.py::test_a_block_stride_beyond_32_bits" PA_AB_SCRIPT=prefill_ab.py PA_AB_RUNS="base=base new=new noskip=new+PAGEDATTN_SM90_NO_SKIP=1" bash benchmarks/device_ab.sh
-cd /tmp; for L in vllm nhd; do PYTHONPATH=/tmp/ab-new:$R/benchmarks timeout 100 python3 $R/benchmarks/plan_sweep.py --grid=56x4096,64x4096,112x4096,64x2048,80x4096,128x2048 --layout=$L --nps=1,2,3 2>&1 | tee -a $OUT/plan_sweep.txt; done
