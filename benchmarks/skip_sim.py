@@ -7,9 +7,9 @@ sequences; removed, since it measured no faster) and the wider one of the branch
 
 The lookup mirrors `prefill_item_warp` (cuda/prefill_params.cuh) for valid index arrays:
 a two-round search of the flat grid's first() values, then (for the skips) the run of
-empty tiles below the found tile among the last round's sequences. The deal mirrors `prefill_item_index`:
-CTA b takes item b first, and from then on holds one index prefetched from the counter,
-taken before each lookup. Time is modelled, not measured: a lookup costs `--lookup-us`, a
+empty tiles below the found tile among the last round's sequences. The deal mirrors
+`prefill_item_index`: CTA b takes item b first, and from then on holds one index
+prefetched from the counter, taken before each lookup. Time is modelled, not measured: a lookup costs `--lookup-us`, a
 fresh block `--start-us`, an item with rows `--item-us` plus `--tile-us` per key tile.
 
     python benchmarks/skip_sim.py [--decodes 127] [--sms 132] [--lookup-us 3]
