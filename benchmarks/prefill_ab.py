@@ -14,7 +14,7 @@ import functools
 import sys
 
 import torch
-from prefill_bench import Shape, make_inputs, timed
+from prefill_bench import Shape, make_inputs, mixed_shapes, timed
 from small_shapes import parse_args
 
 import pagedattn
@@ -24,7 +24,7 @@ SHAPES = {
     "1x8192": Shape("1 x 8192", [(8192, 8192)], 32, 8, 128, BF16),
     "8x1024": Shape("8 x 1024", [(1024, 1024)] * 8, 32, 8, 128, BF16),
     "chunk": Shape("chunk 2048 over 14336", [(16384, 2048)], 32, 8, 128, BF16),
-    "mixed": Shape("mixed 512 + 127 decodes", [(2048, 512)] + [(2048, 1)] * 127, 32, 8, 128, BF16),
+    "mixed": mixed_shapes(127, BF16)[0],
     "seed": Shape("seed step 2", [(485, 1), (484, 456)], 12, 12, 64, F16),
     "mha": Shape("MHA 4 x 2048", [(2048, 2048)] * 4, 32, 32, 128, F16),
 }

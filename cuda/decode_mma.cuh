@@ -718,12 +718,13 @@ __device__ __forceinline__ void decode_mma_body(const DecodeKernelParams& p) {
       if constexpr (C::kStridedRows) {
         if (B >= 16) {
           // A chunk (16 tokens from a multiple of 16) lies in one block, its token t at row
-          // mod_b(t0) + t, and with nck (16 or 32) dividing 32 a lane copies the same piece j
-          // of rows 32 / nck apart: one base address and a fixed stride, no division by B per
-          // piece (with one per piece, the nhd kernel issued 1.6x the vllm kernel's
-          // instructions per unit of time and took 1.1x its time: an H200, b32 x4096). Rows
-          // of 128 bytes keep the loop below (this one took the d64 kernel from 122 to 158
-          // registers, a CTA less per multiprocessor), and so do the fp8 kernels (kStridedRows).
+          // mod_b(t0) + t, and with nck (8, 16 or 32) dividing 32 a lane copies the same piece
+          // j of rows 32 / nck apart: one base address and a fixed stride, no division by B
+          // per piece (with one per piece, the nhd kernel issued 1.6x the vllm kernel's
+          // instructions per unit of time and took 1.1x its time: an H200, b32 x4096). The
+          // 16-bit d64 kernels (128-byte rows) keep the loop below (this one took them from 122
+          // to 158 registers, a CTA less per multiprocessor), and so do the fp8 kernels other
+          // than the transposed d128 ones (kStridedRows).
           constexpr int kNck = HEAD * C::kE / 16, kRowStep = 32 / kNck;
           const int j = lane % kNck, t_lane = lane / kNck;
           const int live = idA >= 0 ? tok_end - t0 : 0;  // the chunk's tokens that exist

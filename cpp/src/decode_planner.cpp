@@ -35,7 +35,8 @@ double PlanModel::us(std::int64_t ctas, double cta_bytes, bool partials) const {
   // A grid of one to three rounds whose last round is short: the CTAs of the full rounds
   // end together, and the r left (at most one per multiprocessor) then stream alone, at
   // min(cta_bw, bw / r) each, instead of sharing the memory with the others. What that costs
-  // beyond the bandwidth-bound time of their bytes is added (H200, bf16, both layouts: b56 /
+  // beyond the bandwidth-bound time of their bytes is added, on top of the drain term above
+  // that every grid of several rounds pays (H200, bf16, both layouts: b56 /
   // b64 / b112 x4096 single pass 290 / 295 / 469 us, partitioned 231 / 255 / 437;
   // PERF_NOTES.md, "Decode: grids of a round and a bit"). From three rounds on, the rounds
   // have drifted apart and the tail is spread (b160 x2048 single pass is as fast as any split).
