@@ -146,18 +146,23 @@ __device__ __forceinline__ bool ids_per_token(int block_size) { return block_siz
 
 // The raw block ids of tokens t0 and t0 + 8 (one block when B >= 16), or with
 // ids_per_token(B) of the lane's token, read without knowing the sequence length: any
-// column below M may be read; 0 past the table.
+// column in [0, M) may be read; 0 outside it. t0 comes from the unchecked length when a
+// window lays the partitions (cta_task): a length near 2^31 makes it wrap negative, so
+// the columns are compared unsigned.
 __device__ __forceinline__ void early_block_ids(const DecodeKernelParams& p, const CtaTask& t, int t0, int& a,
                                                 int& b) {
   const int B = p.block_size;
+  const auto in_table = [&](int col) {
+    return static_cast<unsigned>(col) < static_cast<unsigned>(p.max_blocks_per_seq);
+  };
   if (ids_per_token(B)) {
     const int col = (t0 + static_cast<int>(threadIdx.x & 15)) / B;
-    a = b = col < p.max_blocks_per_seq ? ldg_now(t.table_row + col) : 0;
+    a = b = in_table(col) ? ldg_now(t.table_row + col) : 0;
     return;
   }
-  a = t0 / B < p.max_blocks_per_seq ? ldg_now(t.table_row + t0 / B) : 0;
+  a = in_table(t0 / B) ? ldg_now(t.table_row + t0 / B) : 0;
   b = a;
-  if (B < 16 && (t0 + 8) / B < p.max_blocks_per_seq) b = ldg_now(t.table_row + (t0 + 8) / B);
+  if (B < 16 && in_table((t0 + 8) / B)) b = ldg_now(t.table_row + (t0 + 8) / B);
 }
 
 // The CTA's checked sequence length, or -1 when the CTA has nothing to do; the output

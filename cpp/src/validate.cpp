@@ -461,6 +461,11 @@ void check_decode_shape(const DecodeShape& sh, DeviceKind device, const Attentio
   if (sh.block_size <= 0) fail<InvalidArgument>("key_cache: block_size must be positive, got ", sh.block_size);
   if (sh.max_blocks_per_seq < 0)
     fail<InvalidArgument>("block_tables: max_blocks_per_seq must be >= 0, got ", sh.max_blocks_per_seq);
+  if (static_cast<std::int64_t>(sh.max_blocks_per_seq) * sh.block_size > supported::kMaxContextTokens)
+    fail<NotSupported>("block_tables: max_blocks_per_seq ", sh.max_blocks_per_seq, " x block_size ", sh.block_size,
+                       " = ", static_cast<std::int64_t>(sh.max_blocks_per_seq) * sh.block_size,
+                       " tokens per sequence is more than pagedattn supports (at most max_context_tokens = ",
+                       supported::kMaxContextTokens, " = 2^30); pass a block table with fewer columns");
   if (!supported::is_dtype(sh.dtype))
     fail<TypeMismatch>("query: dtype ", dtype_name(sh.dtype), " is not supported; expected one of ",
                        supported::dtypes_str());

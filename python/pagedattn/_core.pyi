@@ -49,6 +49,7 @@ class Supported(TypedDict):
     cuda_block_sizes: list[int]
     cpu_max_head_size: int
     cpu_max_block_size: int
+    max_context_tokens: int
     variants: tuple[str, ...]
 
 class DecodePlan(TypedDict):

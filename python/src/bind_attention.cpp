@@ -401,12 +401,13 @@ void bind_attention(nb::module_& m) {
     d["cuda_block_sizes"] = bs;
     d["cpu_max_head_size"] = supported::kCpuMaxHeadSize;
     d["cpu_max_block_size"] = supported::kCpuMaxBlockSize;
+    d["max_context_tokens"] = supported::kMaxContextTokens;
     nb::list variants;
     for (const char* v : supported::kVariants) variants.append(v);
     d["variants"] = nb::tuple(variants);
     return d;
-  }, "The supported dtypes, kv-cache dtypes, layouts, kernels, attention variants, head sizes and block sizes "
-     "(read from the one list in supported.hpp).");
+  }, "The supported dtypes, kv-cache dtypes, layouts, kernels, attention variants, head sizes, block sizes and "
+     "tokens per sequence (read from the one list in supported.hpp).");
 }
 
 }  // namespace pagedattn::py

@@ -26,6 +26,7 @@ KEYS = {
     "cuda_block_sizes": LIST,
     "cpu_max_head_size": int,
     "cpu_max_block_size": int,
+    "max_context_tokens": int,
 }
 NAN_FP8 = 0x7F  # NaN in both fp8 formats
 

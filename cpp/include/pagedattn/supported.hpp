@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <string>
 
 #include "pagedattn/tensor.hpp"
@@ -37,6 +38,11 @@ inline constexpr int kCudaMaxHeadSize = 256;
 // clear error. The kernels take the size at run time (no instantiation per size): token
 // t's block is block_tables[t / B], its slot t % B.
 inline constexpr std::array<int, 9> kCudaBlockSizes = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+
+// Tokens per sequence, on every backend: a block table's max_blocks_per_seq x block_size
+// may not exceed this (2^30), so every token position and every sum of a position and a
+// partition or tile size the kernels form stays inside a 32-bit int.
+inline constexpr std::int64_t kMaxContextTokens = std::int64_t{1} << 30;
 
 // Attention variants: options of AttentionOptions (and keywords of the Python calls),
 // on every backend, in the decode and varlen forms, alone or combined.
