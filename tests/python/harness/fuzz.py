@@ -17,7 +17,8 @@ answer or IndexError / ValueError, never an access out of bounds, which AddressS
 sees), forked children checking a decode (``fork``: skipped under AddressSanitizer, whose
 allocator is not fork-safe while other threads allocate), outputs sharing memory with
 inputs (``shared_buffers``), mappings inside caches and repeated / chained destinations
-(``cache_mappings``), extreme integers on every integer argument (``extreme_ints``),
+(``cache_mappings``), extreme integers on every integer argument and sequences at the
+context limit read through a small window (``extreme_ints``),
 token ids over the int32 range (``token_ids``), bad command lines (``command_line``,
 in-process: exit status 2, one stderr line naming the option, nothing run) and varlen
 queries (``varlen``: bad ``query_start_loc`` contents and extreme integers in it or in
@@ -1632,7 +1633,7 @@ def fuzz_extreme_ints(d: Draw) -> Outcome:
     """One integer argument set to an extreme value: a typed error, or a correct answer."""
     v = d.choice(EXTREME_INTS)
     which = d.choice(["kv_cache_shape", "decode_workspace_size", "decode_plan", "partition_size", "block id",
-                      "seq_len", "slot", "block_manager"])  # fmt: skip
+                      "seq_len", "slot", "block_manager", "long_context"])  # fmt: skip
     allowed = TYPED + (OverflowError,)
     if which == "kv_cache_shape":
         args = [4, 16, 2, 64]
@@ -1674,6 +1675,8 @@ def fuzz_extreme_ints(d: Draw) -> Outcome:
         return Outcome("extreme_ints", "ok", label)
     if which == "block_manager":
         return _bm_extreme(d, v)
+    if which == "long_context":
+        return _long_context(d)
     p = make_decode_problem(d)
     if which == "slot":
         return _slot_extreme(d, v)
@@ -1705,6 +1708,52 @@ def fuzz_extreme_ints(d: Draw) -> Outcome:
         _fail(label, f"raised {type(e).__name__}: {e}")
     _check_close(label, out, reference.paged_attention_ref(*args, **{k: kw[k] for k in REF_KEYS if k in kw}),
                  p.dtype)  # fmt: skip
+    return Outcome("extreme_ints", "ok", label)
+
+
+def _long_context(d: Draw) -> Outcome:
+    """A sequence at, just under or past the context limit (a table of about
+    max_context_tokens / B columns, or of 2^31 tokens), read through a small sliding window
+    by a decode or a varlen call: the float64 answer over the window's keys (every other
+    slot NaN), or past the limit a ValueError. Such lengths once wrapped the CPU kernels'
+    32-bit key positions (a crash, and wrong numbers)."""
+    limit = SUPPORTED["max_context_tokens"]
+    B = d.choice([256, 512, 1024])
+    M = d.choice([limit // B, limit // B - 1, limit // B + 1, (2**31 - 1) // B + 1])
+    L = min(2**31 - 1, M * B - d.choice([0, 1, B - 1, B, 2 * B + 3]))
+    W, q = d.int(1, 48), d.choice([1, 1, 2, 5])
+    K, G, D = d.choice([1, 2]), d.choice([1, 2, 4]), d.choice([8, 16, 64])
+    layout = d.choice(LAYOUTS)
+    varlen = q > 1 or d.bool()
+    label = f"long context: {M} blocks of {B}, seq_len {L}, window {W}, {q} rows ({layout})"
+    rng = d.rng()
+    ks, vs = pagedattn.kv_cache_shape(3, B, K, D, np.float32, layout)
+    kc, vc = np.full(ks, np.nan, np.float32), np.full(vs, np.nan, np.float32)
+    table = np.zeros((1, M), np.int32)  # block 0: NaN, never read
+    first = max(0, L - q - W + 1)  # the first key any row sees
+    pos = np.arange(first, L)
+    for j, b in enumerate(sorted({int(t) // B for t in pos})):
+        table[0, b] = 1 + j  # at most two blocks (W + q - 1 < B)
+    k = rng.standard_normal((len(pos), K, D)).astype(np.float32)
+    v = rng.standard_normal((len(pos), K, D)).astype(np.float32)
+    pagedattn.reshape_and_cache(k, v, kc, vc, (table[0, pos // B].astype(np.int64) * B + pos % B), layout=layout)
+    query = rng.standard_normal((q, K * G, D)).astype(np.float32)
+    kw = dict(sliding_window=W, layout=layout)
+    if varlen:
+        kw.update(query_start_loc=np.array([0, q], np.int32), max_query_len=q)
+    call = lambda: pagedattn.paged_attention(query, kc, vc, table, np.array([L], np.int32), **kw)  # noqa: E731
+    if M * B > limit:
+        return _retarget(_expect_error(label, call, (ValueError,)))
+    out = _call_valid(label, call)
+    ref = np.empty((q, K * G, D))
+    for j in range(q):
+        p_j = L - q + j
+        keys = np.arange(max(0, p_j - W + 1), p_j + 1) - first
+        for h in range(K * G):
+            logits = _f64(k[keys, h // G]) @ _f64(query[j, h]) / math.sqrt(D)
+            w = np.exp(logits - logits.max())
+            ref[j, h] = w @ _f64(v[keys, h // G]) / w.sum()
+    _check_close(label, out, ref, np.float32)
     return Outcome("extreme_ints", "ok", label)
 
 
