@@ -486,6 +486,10 @@ void check_decode_shape(const DecodeShape& sh, DeviceKind device, const Attentio
     fail<InvalidArgument>("sliding_window: must be >= 0 (tokens; 0 = off), got ", opt.sliding_window);
   if (!std::isfinite(opt.soft_cap) || opt.soft_cap < 0.0f)
     fail<InvalidArgument>("soft_cap: must be a finite number >= 0 (0 = off), got ", opt.soft_cap);
+  // The kernels divide by the cap: a subnormal one has no finite float32 inverse.
+  if (opt.soft_cap > 0.0f && opt.soft_cap < std::numeric_limits<float>::min())
+    fail<InvalidArgument>("soft_cap: must be 0 (off) or at least ", std::numeric_limits<float>::min(),
+                          " (the smallest normal float32), got ", opt.soft_cap);
   if (opt.kv_cache_dtype != KVCacheDType::kAuto) {
     check_positive_scale(opt.k_scale, "k_scale");
     check_positive_scale(opt.v_scale, "v_scale");

@@ -26,10 +26,25 @@ std::string what_is(nb::handle v) {
   return detail::concat(type_of(v), " ", r);
 }
 
+// A number as the float32 the options hold. A number float32 cannot hold is refused rather
+// than changed in meaning: an int past the double range, or a nonzero value that would
+// round to 0 (a soft cap of 1e-50 would silently turn the cap off). Past the float32 range
+// it becomes inf, which the option's own check refuses ("must be finite").
 float as_float(nb::handle v, const char* name) {
   if (!PyBool_Check(v.ptr()) && (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr()) || PyNumber_Check(v.ptr()))) {
     const double d = PyFloat_AsDouble(v.ptr());
-    if (!(d == -1.0 && PyErr_Occurred())) return static_cast<float>(d);
+    if (!(d == -1.0 && PyErr_Occurred())) {
+      const float f = static_cast<float>(d);
+      if (f == 0.0f && d != 0.0)
+        fail<InvalidArgument>(name, ": ", what_is(v), " is too small for float32 (it would round to 0); ",
+                              "expected 0 or a magnitude of at least ", std::numeric_limits<float>::denorm_min());
+      return f;
+    }
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+      PyErr_Clear();
+      fail<InvalidArgument>(name, ": ", what_is(v), " is outside the float32 range (magnitude at most ",
+                            std::numeric_limits<float>::max(), ")");
+    }
     PyErr_Clear();
   }
   fail<TypeMismatch>(name, ": expected a float, got ", what_is(v));

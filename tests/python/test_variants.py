@@ -292,6 +292,39 @@ def test_soft_cap_bounds_the_logits(rng):
 
 
 @pytest.mark.parametrize("form", ["decode", "varlen"])
+def test_soft_cap_at_the_smallest_normal_float32_and_below(rng, form):
+    """The kernels divide by the cap. The smallest normal float32 (1.18e-38) still caps every
+    logit to about 0 (uniform attention, with zero queries too: 0 / cap = 0); a subnormal cap
+    has no finite inverse (it gave NaN) and is refused, as is a cap float32 rounds to 0 (it
+    would silently turn the cap off)."""
+    tiny = float(np.finfo(np.float32).tiny)
+    p = make_problem(rng, [64], num_heads=2, num_kv_heads=2, head_size=16, layout="nhd")
+    p.query[:] = 0
+    p.query[0, 1] *= 0  # a zero row: logit 0 / cap
+    kw = {}
+    if form == "varlen":
+        kw = dict(query_start_loc=np.array([0, 1], np.int32), max_query_len=1)
+    out = pagedattn.paged_attention(*p.args(), soft_cap=tiny, **kw)
+    vals = p.value_cache[p.block_tables[0, :4]].reshape(64, 2, 16)
+    np.testing.assert_allclose(out[0], vals.mean(axis=0), rtol=1e-5, atol=1e-6)
+    for cap in (tiny / 2, 1e-40, float(np.finfo(np.float32).smallest_subnormal)):
+        with pytest.raises(ValueError, match=r"soft_cap: must be 0 \(off\) or at least 1\.17549e-38.*got"):
+            pagedattn.paged_attention(*p.args(), soft_cap=cap, **kw)
+    with pytest.raises(ValueError, match=r"soft_cap: float 1e-50 is too small for float32"):
+        pagedattn.paged_attention(*p.args(), soft_cap=1e-50, **kw)
+
+
+@pytest.mark.parametrize("name", ["scale", "soft_cap", "k_scale"])
+def test_a_number_outside_the_float32_range_is_a_value_error(rng, name):
+    p = make_problem(rng, [5], num_heads=2, num_kv_heads=2, head_size=16, layout="nhd")
+    with pytest.raises(ValueError, match=rf"{name}: int 1000000000.* is outside the float32 range"):
+        pagedattn.paged_attention(*p.args(), **{name: 10**400})
+    if name != "k_scale":  # (k_scale is read, and checked, with fp8 caches only)
+        with pytest.raises(ValueError, match=rf"{name}: must be "):
+            pagedattn.paged_attention(*p.args(), **{name: 1e39})  # inf in float32: "must be finite"
+
+
+@pytest.mark.parametrize("form", ["decode", "varlen"])
 def test_sink_values(rng, form):
     """-inf is no sink, +inf gives zeros, NaN gives NaN in that head only, a huge finite
     sink almost zeros; the others follow the reference."""
