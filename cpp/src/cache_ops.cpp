@@ -3,6 +3,7 @@
 #include "pagedattn/cache_ops.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -111,6 +112,40 @@ void check_destinations(const std::vector<std::int64_t>& pairs, bool chains) {
   }
 }
 
+// No two caches of a copy_blocks call may share a block: a copy into one would change
+// another's source, and the result would depend on the order of the caches. (The key and
+// value halves of one [N, 2, ...] allocation interleave without sharing one.) The caches
+// are sorted by their first byte, so only those whose byte ranges meet are compared block
+// by block: O(L log L) for L caches that do not overlap.
+void check_caches_share_no_block(const std::vector<TensorView>& caches, const CopyBlocksParams& p) {
+  const std::size_t n = caches.size();
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> range(n);  // [first byte, past the last)
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto lo = reinterpret_cast<std::uintptr_t>(caches[i].data);
+    const std::int64_t nb = p.num_blocks[i];
+    const std::int64_t bytes =
+        nb > 0 && p.block_bytes[i] > 0 ? (nb - 1) * p.block_stride_bytes[i] + p.block_bytes[i] : 0;
+    range[i] = {lo, lo + static_cast<std::uintptr_t>(bytes)};
+    order[i] = i;
+  }
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return range[a].first < range[b].first; });
+  std::vector<std::uintptr_t> reach(n);  // the furthest end among order[0 .. k]
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = order[k];
+    reach[k] = std::max(k ? reach[k - 1] : 0, range[i].second);
+    if (range[i].first == range[i].second) continue;
+    for (std::size_t j = k; j-- > 0 && reach[j] > range[i].first;) {
+      const std::size_t o = order[j];
+      if (range[o].second <= range[i].first || range[o].first == range[o].second) continue;
+      const std::size_t first = std::min(i, o), second = std::max(i, o);
+      const std::string a = detail::concat("caches[", first, "]"), b = detail::concat("caches[", second, "]");
+      detail::check_blocks_disjoint(caches[first], a.c_str(), caches[second], b.c_str());
+    }
+  }
+}
+
 }  // namespace
 
 void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_mapping, void* stream) {
@@ -135,6 +170,7 @@ void copy_blocks(const std::vector<TensorView>& caches, const TensorView& block_
     p.num_blocks.push_back(t.size(0));
     detail::check_disjoint(t, name.c_str(), block_mapping, "block_mapping");
   }
+  check_caches_share_no_block(caches, p);
   const bool cuda = ref.device == DeviceKind::kCUDA;
   const bool map_host = on_host(block_mapping);
   if (!map_host && !(cuda && block_mapping.device_id == ref.device_id))

@@ -66,10 +66,13 @@ void bind_cache_ops(nb::module_& m) {
         ArrayList caches;
         add_layers(caches, key_caches, "key_caches");
         add_layers(caches, value_caches, "value_caches");
-        if (caches.size() == 0) return;
         const nb::object mapping = mapping_object(block_mapping);
         CallArrays map_array;
         map_array.add(mapping, "block_mapping");
+        if (caches.size() == 0) {  // nothing to copy; the mapping is still checked
+          copy_blocks({}, map_array[0], nullptr);
+          return;
+        }
         std::vector<TensorView> views;
         views.reserve(caches.size());
         for (std::size_t i = 0; i < caches.size(); ++i) views.push_back(caches[i]);
@@ -83,7 +86,7 @@ void bind_cache_ops(nb::module_& m) {
       "key_caches / value_caches: lists of cache arrays [num_blocks, ...] on one device (any layout; a block\n"
       "is the slice along the first dimension, C-contiguous, at any block stride >= one block, such as the\n"
       "key and value halves of an [N, 2, ...] allocation), one per layer; a single array (not in a list) is one layer's\n"
-      "cache, never a list of rows. block_mapping: pairs [P, 2] (src, dst) as a list of pairs, or an\n"
+      "cache, never a list of rows. No two caches may share a block (ValueError). block_mapping: pairs [P, 2] (src, dst) as a list of pairs, or an\n"
       "int64 / int32 array in host memory or on the caches' GPU, never inside a cache. A destination must\n"
       "not appear twice nor be the source of another pair (a host mapping breaking this raises ValueError\n"
       "naming the pair). On CUDA all arrays and pairs are done in one kernel launch on `stream` (default:\n"

@@ -6,6 +6,7 @@
 
 #include "bindings.hpp"
 #include "call_args.hpp"
+#include "call_options.hpp"
 #include "pagedattn/fp8.hpp"
 
 namespace nb = nanobind;
@@ -35,10 +36,11 @@ nb::object convert(nb::handle src, nb::handle dst, float scale, const std::strin
 void bind_fp8(nb::module_& m) {
   m.def(
       "quantize_fp8",
-      [](nb::handle src, nb::handle dst, float scale, const std::string& fp8_dtype, nb::handle stream) {
-        return convert(src, dst, scale, fp8_dtype, stream, [](auto&&... args) { quantize_fp8(args...); });
+      [](nb::handle src, nb::handle dst, nb::handle scale, const std::string& fp8_dtype, nb::handle stream) {
+        return convert(src, dst, float_arg(scale, "scale"), fp8_dtype, stream,
+                       [](auto&&... args) { quantize_fp8(args...); });
       },
-      "src"_a, "dst"_a, nb::kw_only(), "scale"_a = 1.0f, "fp8_dtype"_a = "fp8_e4m3", "stream"_a = nb::none(),
+      "src"_a, "dst"_a, nb::kw_only(), "scale"_a = 1.0, "fp8_dtype"_a = "fp8_e4m3", "stream"_a = nb::none(),
       nb::sig("def quantize_fp8(src: Any, dst: Any, *, scale: float = 1.0, fp8_dtype: str = 'fp8_e4m3', "
               "stream: Any = None) -> Any"),
       "dst = fp8(src / scale), the codes reshape_and_cache writes into an fp8 cache; returns dst.\n\n"
@@ -52,10 +54,11 @@ void bind_fp8(nb::module_& m) {
 
   m.def(
       "dequantize_fp8",
-      [](nb::handle src, nb::handle dst, float scale, const std::string& fp8_dtype, nb::handle stream) {
-        return convert(src, dst, scale, fp8_dtype, stream, [](auto&&... args) { dequantize_fp8(args...); });
+      [](nb::handle src, nb::handle dst, nb::handle scale, const std::string& fp8_dtype, nb::handle stream) {
+        return convert(src, dst, float_arg(scale, "scale"), fp8_dtype, stream,
+                       [](auto&&... args) { dequantize_fp8(args...); });
       },
-      "src"_a, "dst"_a, nb::kw_only(), "scale"_a = 1.0f, "fp8_dtype"_a = "fp8_e4m3", "stream"_a = nb::none(),
+      "src"_a, "dst"_a, nb::kw_only(), "scale"_a = 1.0, "fp8_dtype"_a = "fp8_e4m3", "stream"_a = nb::none(),
       nb::sig("def dequantize_fp8(src: Any, dst: Any, *, scale: float = 1.0, fp8_dtype: str = 'fp8_e4m3', "
               "stream: Any = None) -> Any"),
       "dst = (fp8 value of src) * scale, rounded once to dst's dtype; returns dst.\n\n"

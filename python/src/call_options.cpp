@@ -36,8 +36,7 @@ float as_float(nb::handle v, const char* name) {
     if (!(d == -1.0 && PyErr_Occurred())) {
       const float f = static_cast<float>(d);
       if (f == 0.0f && d != 0.0)
-        fail<InvalidArgument>(name, ": ", what_is(v), " is too small for float32 (it would round to 0); ",
-                              "expected 0 or a magnitude of at least ", std::numeric_limits<float>::denorm_min());
+        fail<InvalidArgument>(name, ": ", what_is(v), " is too small for float32 (it would round to 0)");
       return f;
     }
     if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
@@ -49,6 +48,12 @@ float as_float(nb::handle v, const char* name) {
   }
   fail<TypeMismatch>(name, ": expected a float, got ", what_is(v));
 }
+
+}  // namespace
+
+float float_arg(nb::handle v, const char* name) { return as_float(v, name); }
+
+namespace {
 
 bool as_bool(nb::handle v, const char* name) {
   if (PyBool_Check(v.ptr())) return v.ptr() == Py_True;

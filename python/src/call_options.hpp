@@ -37,6 +37,9 @@ void parse_keywords(const char* fn, unsigned set, nb::handle kwargs, CallKeyword
 // Scalar arguments, each with a typed error naming the argument (never nanobind's own).
 std::int64_t int64_arg(nb::handle v, const char* name);
 int int_arg(nb::handle v, const char* name);  // int32 range
+// A float32, refusing a number it cannot hold (a nonzero one that rounds to 0, an int past
+// the double range); past the float32 range it is inf, for the argument's own check.
+float float_arg(nb::handle v, const char* name);
 const char* str_arg(nb::handle v, const char* name);
 
 // One keyword of a call of `fn` into `out` (the vectorcall form: no keyword dict).

@@ -158,6 +158,42 @@ def test_copy_blocks_refuses_repeated_and_chained_destinations(rng):
     assert np.array_equal(keys[0][4], snap[0][2]) and np.array_equal(keys[0][2], snap[0][2])
 
 
+def test_copy_blocks_refuses_caches_that_share_a_block(rng):
+    """A copy into one cache would change another's source (the result depended on the
+    order of the caches); the key and value halves of one [N, 2, ...] allocation, whose
+    blocks interleave without sharing, stay accepted."""
+    buf = rng.standard_normal(6 * 64).astype(np.float32)
+    snap = buf.copy()
+    with pytest.raises(ValueError, match=r"caches\[0\] overlaps caches\[1\]"):
+        pagedattn.copy_blocks([buf.reshape(6, 64)], [buf.reshape(12, 32)], [(2, 5)])
+    keys, values = layer_caches(rng, 3)
+    with pytest.raises(ValueError, match=r"caches\[1\] overlaps caches\[4\]"):  # one layer's key cache twice
+        pagedattn.copy_blocks(keys, [values[0], keys[1], values[2]], [(2, 5)])
+    with pytest.raises(ValueError, match=r"caches\[0\] overlaps caches\[3\]"):  # a view of another layer's
+        pagedattn.copy_blocks(keys, [keys[0][3:], values[1], values[2]], [(0, 1)])
+    assert np.array_equal(buf, snap), "a refused call changed a cache"
+    kv = rng.standard_normal((10, 2, 16, 2, 64)).astype(np.float32)  # [N, 2, B, K, D]: nhd halves
+    want = kv.copy()
+    want[7] = want[1]
+    pagedattn.copy_blocks([kv[:, 0]], [kv[:, 1]], [(1, 7)])
+    np.testing.assert_array_equal(kv, want)
+
+
+def test_copy_blocks_checks_the_mapping_without_caches(rng):
+    """The lists are caches to copy, whatever their lengths (every cache of both gets the
+    pairs); with no cache at all the mapping is still checked."""
+    keys, values = layer_caches(rng, 2)
+    snap = [c.copy() for c in keys + values[:1]]
+    pagedattn.copy_blocks(keys, values[:1], [(0, 1)])
+    for c, s in zip(keys + values[:1], snap):
+        np.testing.assert_array_equal(c[1], s[0])
+    with pytest.raises(TypeError, match="block_mapping"):
+        pagedattn.copy_blocks([], [], "not a mapping")
+    with pytest.raises(ValueError, match="block_mapping"):
+        pagedattn.copy_blocks([], [], np.zeros((3, 3), np.int64))
+    pagedattn.copy_blocks([], [], [(0, 1)])  # no caches: nothing to copy
+
+
 def test_swap_blocks_destinations(rng):
     src = rng.standard_normal((6, 4, 8)).astype(np.float32)
     dst = np.zeros((6, 4, 8), np.float32)
