@@ -85,12 +85,12 @@ void bind_cache_ops(nb::module_& m) {
       "For every (src, dst) pair and every cache: cache[dst] = cache[src], in place.\n\n"
       "key_caches / value_caches: lists of cache arrays [num_blocks, ...] on one device (any layout; a block\n"
       "is the slice along the first dimension, C-contiguous, at any block stride >= one block, such as the\n"
-      "key and value halves of an [N, 2, ...] allocation), one per layer; a single array (not in a list) is one layer's\n"
-      "cache, never a list of rows. No two caches may share a block (ValueError). block_mapping: pairs [P, 2] (src, dst) as a list of pairs, or an\n"
-      "int64 / int32 array in host memory or on the caches' GPU, never inside a cache. A destination must\n"
-      "not appear twice nor be the source of another pair (a host mapping breaking this raises ValueError\n"
-      "naming the pair). On CUDA all arrays and pairs are done in one kernel launch on `stream` (default:\n"
-      "the arrays' framework's current stream, see paged_attention).");
+      "key and value halves of an [N, 2, ...] allocation), one per layer; a single array (not in a list) is\n"
+      "one layer's cache, never a list of rows; no two caches may share a block. block_mapping: pairs [P, 2]\n"
+      "(src, dst) as a list of pairs, or an int64 / int32 array in host memory or on the caches' GPU, never\n"
+      "inside a cache. A destination must not appear twice nor be the source of another pair (a host mapping\n"
+      "breaking this raises ValueError naming the pair). On CUDA all arrays and pairs are done in one kernel\n"
+      "launch on `stream` (default: the arrays' framework's current stream, see paged_attention).");
 
   m.def(
       "swap_blocks",

@@ -26,11 +26,13 @@ std::string what_is(nb::handle v) {
   return detail::concat(type_of(v), " ", r);
 }
 
+}  // namespace
+
 // A number as the float32 the options hold. A number float32 cannot hold is refused rather
 // than changed in meaning: an int past the double range, or a nonzero value that would
 // round to 0 (a soft cap of 1e-50 would silently turn the cap off). Past the float32 range
 // it becomes inf, which the option's own check refuses ("must be finite").
-float as_float(nb::handle v, const char* name) {
+float float_arg(nb::handle v, const char* name) {
   if (!PyBool_Check(v.ptr()) && (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr()) || PyNumber_Check(v.ptr()))) {
     const double d = PyFloat_AsDouble(v.ptr());
     if (!(d == -1.0 && PyErr_Occurred())) {
@@ -48,10 +50,6 @@ float as_float(nb::handle v, const char* name) {
   }
   fail<TypeMismatch>(name, ": expected a float, got ", what_is(v));
 }
-
-}  // namespace
-
-float float_arg(nb::handle v, const char* name) { return as_float(v, name); }
 
 namespace {
 
@@ -80,7 +78,7 @@ const Keyword kKeywords[] = {
      [](CallKeywords& k, nb::handle v, const char*) { k.out = v; }},
     {"scale", kDecode, "float | None", "None", "softmax scale (default 1 / sqrt(head_size))",
      [](CallKeywords& k, nb::handle v, const char* n) {
-       k.options.scale = v.is_none() ? std::nullopt : std::optional<float>(as_float(v, n));
+       k.options.scale = v.is_none() ? std::nullopt : std::optional<float>(float_arg(v, n));
      }},
     {"alibi_slopes", kDecodeCall, "Any", "None", "float32 [H]: adds slope[h] * (t - seq_len + 1) to token t's logit",
      [](CallKeywords& k, nb::handle v, const char*) { k.alibi_slopes = v; }},
@@ -90,9 +88,9 @@ const Keyword kKeywords[] = {
        k.options.kv_cache_dtype = parse_kv_cache_dtype(str_arg(v, n), n);
      }},
     {"k_scale", kAll, "float", "1.0", "fp8 caches: real key = stored value * k_scale",
-     [](CallKeywords& k, nb::handle v, const char* n) { k.options.k_scale = as_float(v, n); }},
+     [](CallKeywords& k, nb::handle v, const char* n) { k.options.k_scale = float_arg(v, n); }},
     {"v_scale", kAll, "float", "1.0", "fp8 caches: real value = stored value * v_scale",
-     [](CallKeywords& k, nb::handle v, const char* n) { k.options.v_scale = as_float(v, n); }},
+     [](CallKeywords& k, nb::handle v, const char* n) { k.options.v_scale = float_arg(v, n); }},
     {"kernel", kDecode, "str", "'auto'", "CUDA decode kernel: 'auto', 'single_pass' or 'partitioned'",
      [](CallKeywords& k, nb::handle v, const char* n) { k.options.kernel = parse_decode_kernel(str_arg(v, n), n); }},
     {"partition_size", kDecode, "int", "0", "CUDA, partitioned kernel: tokens per partition (0: the planner's)",
@@ -117,7 +115,7 @@ const Keyword kKeywords[] = {
      [](CallKeywords& k, nb::handle v, const char* n) { k.options.sliding_window = int_arg(v, n); }},
     {"soft_cap", kDecode, "float", "0.0",
      "logit soft-capping (0 = off): logit = soft_cap * tanh(scale * q.k / soft_cap), before ALiBi",
-     [](CallKeywords& k, nb::handle v, const char* n) { k.options.soft_cap = as_float(v, n); }},
+     [](CallKeywords& k, nb::handle v, const char* n) { k.options.soft_cap = float_arg(v, n); }},
     {"sinks", kDecodeCall, "Any", "None",
      "float32 [H] attention sinks: exp(sinks[h]) joins head h's softmax denominator (-inf: none)",
      [](CallKeywords& k, nb::handle v, const char*) { k.sinks = v; }},
